@@ -1,0 +1,73 @@
+"""Build torch_afdep: the c10d backend (`torch_afdep._C`) and, where nvcc exists, the CUDA
+transport and kernels (`torch_afdep._cuda`).
+
+Environment:
+    AFDEP_BUILD_CUDA=0/1   force the CUDA extension off/on (default: on when nvcc is found)
+    AFDEP_CUDA_ARCH        nvcc -gencode targets (default: sm_90a)
+"""
+
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(*parts):
+    return os.path.join("csrc", *parts)
+
+
+def backend_extension():
+    """The c10d backend: a C++ c10d::Backend that knows roles and delegates collectives."""
+    return CppExtension(
+        name="torch_afdep._C",
+        sources=[_rel("bindings", "c10d_backend.cpp")],
+        extra_compile_args={"cxx": ["-O2", "-std=c++17"]},
+    )
+
+
+def _find_cuda_home():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return None
+
+
+def cuda_extension():
+    """The CUDA transport and kernels. Plain CUDA runtime + pybind11: no torch CUDA headers,
+    so it also builds beside a CPU-only torch (CI compiles it that way)."""
+    want = os.environ.get("AFDEP_BUILD_CUDA")
+    cuda_home = _find_cuda_home()
+    if want == "0" or (want is None and cuda_home is None):
+        return None
+    if cuda_home is None:
+        raise RuntimeError("AFDEP_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME)")
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "csrc"))
+    from cuda_build import make_cuda_extension  # csrc/cuda_build.py
+
+
+    return make_cuda_extension(ROOT, cuda_home)
+
+
+ext_modules = [backend_extension()]
+_cuda_ext = cuda_extension()
+if _cuda_ext is not None:
+    ext_modules.append(_cuda_ext)
+
+setup(
+    name="torch_afdep",
+    version="0.1.0",
+    description="Attention-FFN disaggregated MoE communication for PyTorch",
+    packages=find_packages(include=["torch_afdep", "torch_afdep.*"]),
+    python_requires=">=3.10",
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

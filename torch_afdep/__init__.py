@@ -1,0 +1,1 @@
+"""torch_afdep: Attention-FFN disaggregated MoE communication for PyTorch."""

@@ -1,0 +1,188 @@
+"""Static description of one AFD exchange layout: who holds experts, who routes tokens, sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+ATTENTION = "attention"
+FFN = "ffn"
+ROLES = (ATTENTION, FFN)
+
+#: Payload dtypes the exchange carries in dispatch. Combine is always BF16.
+PAYLOAD_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+#: FP8 payloads carry one float32 scale per this many hidden elements.
+FP8_BLOCK = 128
+
+#: The route handle is an int64 bit mask over FFN ranks.
+MAX_FFN_RANKS = 64
+
+
+def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {allowed}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Layout and sizes of an AFD exchange; identical on every rank of the group.
+
+    Args:
+        capacity_tokens_per_rank: the most tokens one Attention rank sends in one exchange
+            (the largest ``bucket``); buffers are sized from it.
+        hidden_size: H, elements per token row. A multiple of 128 for FP8 payloads and of 8
+            for BF16 (16-byte rows on the GPU).
+        num_experts: E, global experts. FFN rank ``f`` owns ``[f*E/F, (f+1)*E/F)``.
+        top_k: k, experts per token (entries of ``expert_ids`` may be -1: no expert).
+        ffn_ranks: F, ranks that hold experts (1..64).
+        attention_ranks: A, ranks that route tokens.
+        dtype: dispatch payload dtype, ``torch.bfloat16`` or ``torch.float8_e4m3fn``
+            (pre-quantized by the caller, with per-128 float32 scales). Combine is BF16.
+        roles: optional explicit role per group rank (``"attention"`` / ``"ffn"``), length
+            A + F. Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
+        num_sms: CUDA only: SMs (CTAs) each transport kernel uses.
+        timeout_s: a receiver that waits longer than this raises, naming the peer and phase.
+    """
+
+    capacity_tokens_per_rank: int
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    ffn_ranks: int
+    attention_ranks: int
+    dtype: torch.dtype = torch.bfloat16
+    roles: Optional[Tuple[str, ...]] = None
+    num_sms: int = 24
+    timeout_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        _check_int("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
+        _check_int("hidden_size", self.hidden_size, 1, 1 << 16)
+        _check_int("num_experts", self.num_experts, 1, 1 << 16)
+        _check_int("top_k", self.top_k, 1, min(self.num_experts, 64))
+        _check_int("ffn_ranks", self.ffn_ranks, 1, MAX_FFN_RANKS)
+        _check_int("attention_ranks", self.attention_ranks, 1, 1 << 12)
+        _check_int("num_sms", self.num_sms, 1, 1024)
+        if self.num_experts % self.ffn_ranks != 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by ffn_ranks "
+                f"({self.ffn_ranks}): each FFN rank owns num_experts/ffn_ranks experts"
+            )
+        if self.dtype not in PAYLOAD_DTYPES:
+            raise TypeError(
+                f"dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {self.dtype}"
+            )
+        if self.dtype == torch.float8_e4m3fn and self.hidden_size % FP8_BLOCK != 0:
+            raise ValueError(
+                f"hidden_size must be a multiple of {FP8_BLOCK} for FP8 payloads, "
+                f"got {self.hidden_size}"
+            )
+        if self.dtype == torch.bfloat16 and self.hidden_size % 8 != 0:
+            raise ValueError(f"hidden_size must be a multiple of 8, got {self.hidden_size}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+        if self.roles is not None:
+            roles = tuple(self.roles)
+            object.__setattr__(self, "roles", roles)
+            if len(roles) != self.world_size:
+                raise ValueError(
+                    f"roles must have attention_ranks + ffn_ranks = {self.world_size} "
+                    f"entries, got {len(roles)}"
+                )
+            bad = [r for r in roles if r not in ROLES]
+            if bad:
+                raise ValueError(f"roles entries must be 'attention' or 'ffn', got {bad[0]!r}")
+            if roles.count(FFN) != self.ffn_ranks:
+                raise ValueError(
+                    f"roles name {roles.count(FFN)} 'ffn' ranks but ffn_ranks={self.ffn_ranks}"
+                )
+
+    # ---- derived layout -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.ffn_ranks + self.attention_ranks
+
+    @property
+    def experts_per_rank(self) -> int:
+        """E_local: experts each FFN rank owns."""
+        return self.num_experts // self.ffn_ranks
+
+    @property
+    def rows_per_token(self) -> int:
+        """R = min(top_k, E_local): the most expert rows one token makes on one FFN rank."""
+        return min(self.top_k, self.experts_per_rank)
+
+    @property
+    def scale_cols(self) -> int:
+        """Scale columns per row: H/128 for FP8 payloads, 0 for BF16."""
+        return self.hidden_size // FP8_BLOCK if self.dtype == torch.float8_e4m3fn else 0
+
+    @property
+    def role_list(self) -> Tuple[str, ...]:
+        """Role of every group rank."""
+        if self.roles is not None:
+            return self.roles
+        return (FFN,) * self.ffn_ranks + (ATTENTION,) * self.attention_ranks
+
+    @property
+    def ffn_group_ranks(self) -> Tuple[int, ...]:
+        """Group rank of FFN index f, in order."""
+        return tuple(r for r, role in enumerate(self.role_list) if role == FFN)
+
+    @property
+    def attention_group_ranks(self) -> Tuple[int, ...]:
+        """Group rank of Attention index a, in order."""
+        return tuple(r for r, role in enumerate(self.role_list) if role == ATTENTION)
+
+    def role_of(self, group_rank: int) -> str:
+        return self.role_list[group_rank]
+
+    def role_index(self, group_rank: int) -> int:
+        """Index of ``group_rank`` among the ranks of its role (f or a)."""
+        role = self.role_list[group_rank]
+        return self.role_list[:group_rank].count(role)
+
+    def recv_rows(self, bucket: int) -> int:
+        """Capacity of an FFN rank's expert-major rows for ``bucket``: A * bucket * R."""
+        return self.attention_ranks * bucket * self.rows_per_token
+
+    def check_bucket(self, bucket: int, num_tokens: Optional[int] = None) -> int:
+        _check_int("bucket", bucket, 1, self.capacity_tokens_per_rank)
+        if num_tokens is not None and num_tokens > bucket:
+            raise ValueError(
+                f"x has {num_tokens} tokens but bucket is {bucket}: need T <= bucket "
+                f"<= capacity_tokens_per_rank ({self.capacity_tokens_per_rank})"
+            )
+        return bucket
+
+    def fingerprint(self) -> Tuple:
+        """What must agree on every rank (checked collectively at Buffer construction)."""
+        return (
+            self.capacity_tokens_per_rank,
+            self.hidden_size,
+            self.num_experts,
+            self.top_k,
+            self.ffn_ranks,
+            self.attention_ranks,
+            str(self.dtype),
+            self.role_list,
+            self.num_sms,
+        )
+
+
+def parse_roles(spec: Sequence[str] | str) -> Tuple[str, ...]:
+    """Accept ``["ffn", "attention", ...]`` or a compact ``"FFAA"`` string."""
+    if isinstance(spec, str):
+        table = {"A": ATTENTION, "F": FFN}
+        try:
+            return tuple(table[c] for c in spec.upper())
+        except KeyError as e:
+            raise ValueError(f"roles string may hold only 'A' and 'F', got {spec!r}") from e
+    return tuple(spec)

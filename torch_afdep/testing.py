@@ -1,0 +1,116 @@
+"""Run a function on a world of spawned processes (tests, demo, examples).
+
+``spawn_world(fn, world_size, *args)`` starts ``world_size`` fresh processes, initializes the
+default process group in each (a FileStore, so no port is needed), calls
+``fn(rank, world_size, *args)`` and returns the per-rank return values. An exception on any
+rank is re-raised in the parent with that rank's traceback; a rank that does not finish in
+``timeout`` seconds fails the call (all ranks are killed).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch.multiprocessing as mp
+
+
+class WorldError(RuntimeError):
+    """A rank of a spawned world failed; the message holds its traceback."""
+
+
+def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids, env):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if device_ids is not None:
+            torch.cuda.set_device(device_ids[rank])
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        result_q.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        result_q.put((rank, False, traceback.format_exc()))
+
+
+def spawn_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    device_ids: Optional[List[int]] = None,
+    env: Optional[dict] = None,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+
+    ``fn`` must be importable (module level). ``device_ids[rank]`` selects each rank's GPU
+    (several ranks may share one). ``env`` is applied in each child before torch is used.
+    """
+    ctx = mp.get_context("spawn")
+    result_q = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="afdep-world-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(r, world_size, fn, args, backend, store_path, result_q, device_ids,
+                      dict(env or {})),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        failures: dict = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(failures) < world_size:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results) - set(failures))
+                    raise WorldError(
+                        f"ranks {missing} did not finish within {timeout:.0f} s"
+                        + "".join(f"\n--- rank {r} failed:\n{t}" for r, t in failures.items())
+                    )
+                if not result_q.empty():
+                    rank, ok, payload = result_q.get()
+                    if ok:
+                        results[rank] = pickle.loads(payload)
+                    else:
+                        failures[rank] = payload
+                    continue
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in results and r not in failures]
+                if dead and result_q.empty():
+                    time.sleep(0.2)  # a result may still be in flight
+                    if result_q.empty():
+                        for r in dead:
+                            failures.setdefault(
+                                r, f"process exited with code {procs[r].exitcode}")
+                        continue
+                time.sleep(0.01)
+        finally:
+            for p in procs:
+                p.join(timeout=0.5 if failures else 5.0)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failures:
+            raise WorldError(
+                "".join(f"\n--- rank {r} failed:\n{t}" for r, t in sorted(failures.items()))
+            )
+        return [results[r] for r in range(world_size)]
