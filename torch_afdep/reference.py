@@ -19,11 +19,25 @@ def dequantize(x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
     return xf * s
 
 
+def dedupe(expert_ids: torch.Tensor) -> torch.Tensor:
+    """[T, k] int64 copy of ``expert_ids`` where a repeated id within a token becomes -1
+    (the contract counts a duplicated expert once: its first occurrence)."""
+    ids = expert_ids.to(torch.int64).clone()
+    for t in range(ids.shape[0]):
+        seen = set()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= 0 and e in seen:
+                ids[t, j] = -1
+            seen.add(e)
+    return ids
+
+
 def expert_counts(config: Config, expert_ids: Sequence[torch.Tensor]) -> torch.Tensor:
     """Rows each FFN rank receives per local expert: [F, E_local] int64, over all sources."""
     counts = torch.zeros(config.num_experts, dtype=torch.int64)
     for ids in expert_ids:
-        flat = ids.reshape(-1).to(torch.int64)
+        flat = dedupe(ids).reshape(-1)
         flat = flat[flat >= 0]
         counts += torch.bincount(flat, minlength=config.num_experts)
     return counts.view(config.ffn_ranks, config.experts_per_rank)
@@ -64,7 +78,7 @@ def moe_output(
     """
     xf = dequantize(x, x_scales)
     out = torch.zeros(x.shape[0], config.hidden_size, dtype=torch.float64)
-    ids = expert_ids.to(torch.int64)
+    ids = dedupe(expert_ids)
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         y = expert_fn(e, xf[tok])

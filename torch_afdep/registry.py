@@ -1,0 +1,48 @@
+"""Open buffers by (group name, buffer id): how the ops find their state from a group name."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+_BUFFERS: Dict[Tuple[str, int], object] = {}
+_NEXT_ID: Dict[str, int] = {}
+
+
+def next_id(group_name: str) -> int:
+    """Ids count buffers created on a group; every rank creates them in the same order."""
+    i = _NEXT_ID.get(group_name, 0)
+    _NEXT_ID[group_name] = i + 1
+    return i
+
+
+def add(buf) -> None:
+    _BUFFERS[(buf.group_name, buf.buffer_id)] = buf
+
+
+def remove(buf) -> None:
+    _BUFFERS.pop((buf.group_name, buf.buffer_id), None)
+
+
+def lookup(group_name: str, buffer_id: int):
+    try:
+        return _BUFFERS[(group_name, buffer_id)]
+    except KeyError:
+        open_ids = sorted(i for g, i in _BUFFERS if g == group_name)
+        raise RuntimeError(
+            f"no open torch_afdep Buffer {buffer_id} on group {group_name!r} "
+            f"(open buffer ids there: {open_ids}); create Buffer(group, config) first"
+        ) from None
+
+
+def resolve(group_name: str, buffer_id: Optional[int]):
+    """The buffer ``buffer_id`` on the group, or its only open buffer when None."""
+    if buffer_id is not None:
+        return lookup(group_name, buffer_id)
+    ids = [i for g, i in _BUFFERS if g == group_name]
+    if len(ids) != 1:
+        raise RuntimeError(
+            f"group {group_name!r} has {len(ids)} open torch_afdep buffers; pass buffer_id "
+            f"(one of {sorted(ids)})" if ids else
+            f"no open torch_afdep Buffer on group {group_name!r}; create Buffer(group, config)"
+        )
+    return _BUFFERS[(group_name, ids[0])]
