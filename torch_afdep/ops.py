@@ -7,7 +7,7 @@ Schemas (see docs/contract.md):
     afdep::combine(Tensor(a!) state, Tensor route, str group_name, int buffer_id) -> Tensor
     afdep::receive(Tensor(a!) state, str group_name, int buffer_id, int bucket) -> Tensor[9]
     afdep::reply(Tensor(a!) state, Tensor rows, Tensor token_rows, Tensor token_index,
-                 Tensor num_tokens, str group_name, int buffer_id) -> ()
+                 Tensor num_tokens, str group_name, int buffer_id) -> Tensor
 
 Each op finds its buffer from ``(group_name, buffer_id)`` and runs the buffer's transport
 (CPU over gloo or CUDA over NVLink) on the current stream. ``state`` is the buffer's ordering
@@ -146,20 +146,22 @@ def reply(
     num_tokens: torch.Tensor,
     group_name: str,
     buffer_id: int,
-) -> None:
+) -> torch.Tensor:
     """FFN: sum each received token's rows in fp32 and send one BF16 row back to its source.
 
     rows [A*bucket*R, H] bfloat16 (already weighted); token_rows [A, bucket, R] int32;
-    token_index [A, bucket] int32; num_tokens [A] int32 (from receive).
+    token_index [A, bucket] int32; num_tokens [A] int32 (from receive). Returns an empty
+    [0] int32 tensor: a dependency token for whatever must follow the reply.
     """
     buf = registry.lookup(group_name, buffer_id)
     buf.transport.reply(rows, token_rows, token_index, num_tokens)
     _bump(state, _SEND_CALLS)
+    return torch.empty(0, dtype=torch.int32, device=rows.device)
 
 
 @reply.register_fake
 def _(state, rows, token_rows, token_index, num_tokens, group_name, buffer_id):
-    return None
+    return rows.new_empty((0,), dtype=torch.int32)
 
 
 # ---- wrappers -----------------------------------------------------------------------------
@@ -245,10 +247,12 @@ def _package(buf, bucket: int, outs, sequence: int) -> Received:
                     src_rank, src_token, receipt)
 
 
-def afd_reply(rows, receipt: Receipt, *, group=None, buffer_id: Optional[int] = None) -> None:
-    """FFN: ``torch.ops.afdep.reply`` for the rows of ``receipt``'s exchange."""
+def afd_reply(rows, receipt: Receipt, *, group=None, buffer_id: Optional[int] = None
+              ) -> torch.Tensor:
+    """FFN: ``torch.ops.afdep.reply`` for the rows of ``receipt``'s exchange; returns the
+    op's empty dependency token."""
     buf = registry.resolve(_group_name(group), buffer_id)
     buf._require_role("ffn", "afd_reply")
     buf._check_reply_args(rows, receipt)
-    torch.ops.afdep.reply(buf.state, rows, receipt.token_rows, receipt.token_index,
-                          receipt.num_tokens, buf.group_name, buf.buffer_id)
+    return torch.ops.afdep.reply(buf.state, rows, receipt.token_rows, receipt.token_index,
+                                 receipt.num_tokens, buf.group_name, buf.buffer_id)

@@ -1,0 +1,220 @@
+"""Spawned-world bodies for the op, compile and error tests (module level: spawn pickles them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import torch_afdep
+from torch_afdep import AfdepStateError, Buffer, Config
+from torch_afdep import reference as ref
+
+SMALL = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=4, top_k=2,
+             ffn_ranks=1, attention_ranks=1, timeout_s=30.0)
+
+
+def _attn_inputs(cfg, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, cfg.hidden_size, generator=g).bfloat16()
+    ids, w = ref.random_routing(cfg, t, "partial", generator=g)
+    return x, ids, w
+
+
+def opcheck_body(rank, world):
+    """opcheck every op; the two roles run paired ops so each real call has a partner."""
+    cfg = Config(**SMALL)
+    buf = Buffer(None, cfg, device="cpu")
+    out = {}
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    opcheck = torch.library.opcheck
+    if buf.role == "attention":
+        x, ids, w = _attn_inputs(cfg, 5, 1)
+        out["dispatch"] = opcheck(torch.ops.afdep.dispatch.default,
+                                  (buf.state, x, ids, w, None, buf.group_name, 0, 8),
+                                  test_utils=utils)
+        route = torch.ops.afdep.dispatch(buf.state, x, ids, w, None, buf.group_name, 0, 8)
+        out["combine"] = opcheck(torch.ops.afdep.combine.default,
+                                 (buf.state, route, buf.group_name, 0), test_utils=utils)
+    else:
+        out["receive"] = opcheck(torch.ops.afdep.receive.default,
+                                 (buf.state, buf.group_name, 0, 8), test_utils=utils)
+        rec = torch.ops.afdep.receive(buf.state, buf.group_name, 0, 8)
+        rows = torch.randn(rec[0].shape).bfloat16()
+        out["reply"] = opcheck(torch.ops.afdep.reply.default,
+                               (buf.state, rows, rec[6], rec[7], rec[8], buf.group_name, 0),
+                               test_utils=utils)
+    buf.close()
+    return out
+
+
+def compile_body(rank, world):
+    """torch.compile(fullgraph=True, backend=aot_eager) of one role step; returns the Dynamo
+    graph's code and the max relative error over three compiled exchanges."""
+    cfg = Config(**SMALL)
+    buf = Buffer(None, cfg, device="cpu")
+    name = buf.group_name
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm.code.strip())
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def attention_step(x, ids, w):
+        route = torch_afdep.afd_dispatch(x, ids, w, group=name, bucket=8)
+        return torch_afdep.afd_combine(route, group=name).float() * 0.5
+
+    def ffn_step():
+        rec = torch_afdep.afd_receive(group=name, bucket=8)
+        rows = (rec.x.float() * rec.weights[:, None]).bfloat16()  # identity experts
+        torch_afdep.afd_reply(rows, rec.receipt, group=name)
+        return rec.expert_offsets
+
+    errors, counts = [], []
+    if buf.role == "attention":
+        step = torch.compile(attention_step, fullgraph=True, backend=recording_backend)
+        for seed in range(3):
+            x, ids, w = _attn_inputs(cfg, 6, seed)
+            got = step(x, ids, w)
+            want = ref.moe_output(cfg, x, ids, w, lambda e, r: r) * 0.5
+            errors.append(ref.relative_error(got, want))
+    else:
+        step = torch.compile(ffn_step, fullgraph=True, backend=recording_backend)
+        for seed in range(3):
+            _, ids, _ = _attn_inputs(cfg, 6, seed)
+            offs = step()
+            counts.append(((offs[1:] - offs[:-1]).tolist(),
+                           ref.expert_counts(cfg, [ids])[0].tolist()))
+    buf.close()
+    return {"graphs": graphs, "errors": errors, "counts": counts}
+
+
+def _expect(exc_type, fragment, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        assert fragment in str(e), f"{fragment!r} not in {e!r}"
+        return str(e)
+    raise AssertionError(f"{fn} did not raise {exc_type.__name__} ({fragment!r})")
+
+
+def bad_input_body(rank, world):
+    """Every bad argument raises before any communication; the buffer still works after."""
+    cfg = Config(**SMALL)
+    messages = []
+    with Buffer(None, cfg, device="cpu") as buf:
+        x, ids, w = _attn_inputs(cfg, 5, 7)
+        if buf.role == "attention":
+            d = buf.source_dispatch
+            cases = [
+                (TypeError, "x must have dtype", (x.float(), ids, w), {"bucket": 8}),
+                (TypeError, "x must be a torch.Tensor", (x.tolist(), ids, w), {"bucket": 8}),
+                (ValueError, "x must have shape", (x[:, :64], ids, w), {"bucket": 8}),
+                (ValueError, "x must be contiguous",
+                 (torch.cat([x, x], 1)[:, ::2], ids, w), {"bucket": 8}),
+                (ValueError, "x must be on cpu", (x.to("meta"), ids, w), {"bucket": 8}),
+                (TypeError, "expert_ids must have dtype", (x, ids.float(), w), {"bucket": 8}),
+                (ValueError, "expert_ids must be in [-1, 4)",
+                 (x, torch.where(ids == 1, 4, ids), w), {"bucket": 8}),
+                (ValueError, "expert_ids must be in [-1, 4)", (x, ids - 3, w), {"bucket": 8}),
+                (ValueError, "weights must have shape", (x, ids, w[:, :1]), {"bucket": 8}),
+                (TypeError, "weights must have dtype", (x, ids, w.double()), {"bucket": 8}),
+                (ValueError, "bucket is 4", (x, ids, w), {"bucket": 4}),
+                (ValueError, "bucket must be in [1, 8]", (x, ids, w), {"bucket": 9}),
+                (TypeError, "bucket must be an int", (x, ids, w), {"bucket": 8.0}),
+                (ValueError, "x_scales must be None", (x, ids, w),
+                 {"bucket": 8, "x_scales": torch.ones(5, 1)}),
+            ]
+            for exc, frag, args, kw in cases:
+                messages.append(_expect(exc, frag, d, *args, **kw))
+            _expect(AfdepStateError, "for ffn ranks", buf.worker_receive, 8)
+            _expect(AfdepStateError, "without a preceding source_dispatch", buf.source_collect)
+            buf.source_dispatch(x, ids, w, bucket=8)
+            _expect(AfdepStateError, "twice without source_collect", buf.source_dispatch,
+                    x, ids, w, bucket=8)
+            out = buf.source_collect()
+            want = ref.moe_output(cfg, x, ids, w, lambda e, r: r * (e + 1))
+            assert ref.relative_error(out, want) < 1e-2
+            # A second exchange after all of that still works.
+            buf.source_dispatch(x, ids, w, bucket=8)
+            out = buf.source_collect()
+            assert ref.relative_error(out, want) < 1e-2
+        else:
+            _expect(AfdepStateError, "without a preceding worker_receive", buf.worker_reply,
+                    torch.zeros(8 * 2, 128, dtype=torch.bfloat16), None)
+            _expect(ValueError, "bucket must be in [1, 8]", buf.worker_receive, 0)
+            rec = buf.worker_receive(8)
+            rows = _identity_times_expert(cfg, rec)
+            _expect(AfdepStateError, "twice without worker_reply", buf.worker_receive, 8)
+            _expect(ValueError, "rows must have shape", buf.worker_reply, rows[:-1],
+                    rec.receipt)
+            _expect(TypeError, "rows must have dtype", buf.worker_reply, rows.float(),
+                    rec.receipt)
+            _expect(TypeError, "receipt must be the Receipt", buf.worker_reply, rows,
+                    tuple(rec.receipt))
+            _expect(ValueError, "receipt belongs to buffer", buf.worker_reply, rows,
+                    rec.receipt._replace(buffer_key=("other", 3)))
+            _expect(AfdepStateError, "stale receipt", buf.worker_reply, rows,
+                    rec.receipt._replace(sequence=rec.receipt.sequence - 1))
+            buf.worker_reply(rows, rec.receipt)
+            rec2 = buf.worker_receive(8)
+            _expect(AfdepStateError, "stale receipt", buf.worker_reply,
+                    _identity_times_expert(cfg, rec2), rec.receipt)
+            buf.worker_reply(_identity_times_expert(cfg, rec2), rec2.receipt)
+    _expect(AfdepStateError, "closed", buf.source_dispatch if buf.role == "attention"
+            else buf.worker_receive, *((x, ids, w, 8) if buf.role == "attention" else (8,)))
+    buf.close()  # idempotent
+    # World size that does not match the config.
+    messages.append(_expect(ValueError, "attention_ranks + ffn_ranks",
+                            Buffer, None, Config(**{**SMALL, "attention_ranks": 2})))
+    return messages
+
+
+def _identity_times_expert(cfg, rec):
+    offs = rec.expert_offsets.tolist()
+    rows = torch.full((rec.x.shape[0], cfg.hidden_size), float("nan"))
+    for e in range(cfg.experts_per_rank):
+        rows[offs[e]:offs[e + 1]] = rec.x[offs[e]:offs[e + 1]].float() * (e + 1)
+    n = offs[-1]
+    rows[:n] *= rec.weights[:n, None]
+    return rows.bfloat16()
+
+
+def mismatch_body(rank, world):
+    """Configs that differ across ranks: every rank raises the same error."""
+    cfg = Config(**{**SMALL, "hidden_size": 128 if rank == 0 else 256})
+    try:
+        Buffer(None, cfg, device="cpu")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def registry_body(rank, world):
+    """Two buffers on one group (different ids) and a buffer on a subgroup at once."""
+    cfg = Config(**SMALL)
+    b0 = Buffer(None, cfg, device="cpu")
+    b1 = Buffer(None, cfg, device="cpu")
+    assert (b0.buffer_id, b1.buffer_id) == (0, 1)
+    errs = []
+    for step, buf in enumerate((b1, b0, b1)):
+        x, ids, w = _attn_inputs(cfg, 3 + step, 20 + step)
+        if buf.role == "attention":
+            buf.source_dispatch(x, ids, w, bucket=8)
+            out = buf.source_collect()
+            errs.append(ref.relative_error(out, ref.moe_output(cfg, x, ids, w,
+                                                               lambda e, r: r * (e + 1))))
+        else:
+            rec = buf.worker_receive(8)
+            buf.worker_reply(_identity_times_expert(cfg, rec), rec.receipt)
+    try:
+        torch_afdep.afd_combine(torch.zeros(1, dtype=torch.int64), group=b0.group_name)
+        raise AssertionError("ambiguous buffer not detected")
+    except RuntimeError as e:
+        assert "open torch_afdep buffers" in str(e)
+    b1.close()
+    b0.close()
+    dist.barrier()
+    return errs
