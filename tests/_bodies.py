@@ -218,3 +218,37 @@ def registry_body(rank, world):
     b0.close()
     dist.barrier()
     return errs
+
+
+def timeout_body(rank, world):
+    """The FFN rank never receives: the Attention rank raises AfdepTimeoutError naming the
+    peer and the phase within the configured timeout, and both ranks shut down."""
+    import time
+
+    cfg = Config(**{**SMALL, "timeout_s": 2.0})
+    buf = Buffer(None, cfg, device="cpu")
+    if buf.role == "ffn":
+        time.sleep(6.0)  # alive but silent, past the Attention rank's timeout
+        try:
+            buf.close()  # the Attention rank left: close reports it, no hang
+        except torch_afdep.AfdepTimeoutError as e:
+            return str(e)
+        return None
+    x, ids, w = _attn_inputs(cfg, 4, 3)
+    ids[:, 0] = 0  # every token goes to the FFN rank
+    buf.source_dispatch(x, ids, w, bucket=8)
+    t0 = time.monotonic()
+    try:
+        buf.source_collect()
+    except torch_afdep.AfdepTimeoutError as e:
+        waited = time.monotonic() - t0
+        info = (e.peer, e.phase, e.rank, waited, str(e))
+    else:
+        raise AssertionError("source_collect did not time out")
+    try:
+        buf.source_dispatch(x, ids, w, bucket=8)
+        raise AssertionError("a broken buffer accepted another exchange")
+    except AfdepStateError as e:
+        assert "unusable after an earlier failure" in str(e)
+    buf.close()
+    return info

@@ -73,6 +73,15 @@ def forward(self, G_state : torch.Tensor):
         self.assertEqual(msgs[0], msgs[1])
         self.assertIn("hidden_size: 128 on rank 0 vs 256 on rank 1", msgs[0])
 
+    def test_silent_peer_times_out(self):
+        ffn, attn = spawn_world(_bodies.timeout_body, 2, timeout=60)
+        peer, phase, rank, waited, msg = attn
+        # The FFN rank never took the dispatch: that is what the Attention rank reports.
+        self.assertEqual((peer, phase, rank), (0, "dispatch", 1))
+        self.assertLess(waited, 5.0)
+        self.assertIn("group rank 0", msg)
+        self.assertIn("close() could not meet every peer", ffn)
+
     def test_two_buffers_on_one_group(self):
         ffn, attn = spawn_world(_bodies.registry_body, 2)
         self.assertEqual(len(attn), 3)

@@ -124,8 +124,13 @@ class CpuTransport:
     def check_error(self) -> None:
         pass  # CPU errors raise where they happen
 
-    def close(self) -> None:
-        self._finish_sends()
+    def close(self, clean: bool = True) -> None:
+        """Finish pending sends; after a failure (``clean=False``) drop them instead, so a
+        dead peer cannot make close hang."""
+        if clean:
+            self._finish_sends()
+        else:
+            self._pending = []
 
     # ---- Attention side ---------------------------------------------------------------
     def dispatch(self, x, expert_ids, weights, x_scales, bucket: int, route) -> None:

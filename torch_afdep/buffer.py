@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import ops, registry
 from .config import ATTENTION, FFN, Config
-from .errors import AfdepError, AfdepStateError
+from .errors import AfdepError, AfdepStateError, AfdepTimeoutError
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -298,10 +298,26 @@ class Buffer:
         self._closed = True
         registry.remove(self)
         try:
-            self.transport.close()
+            self.transport.close(clean=self._broken is None)
         finally:
             if self._broken is None:
-                dist.barrier(group=self.group)
+                self._closing_barrier()
+
+    def _closing_barrier(self) -> None:
+        """No rank frees memory a peer may still read; a peer that never arrives (or died)
+        gives an error after ``timeout_s`` instead of a hang."""
+        import datetime
+
+        try:
+            work = dist.barrier(group=self.group, async_op=True)
+            ok = work.wait(datetime.timedelta(seconds=float(self.config.timeout_s)))
+        except RuntimeError as e:
+            raise AfdepTimeoutError(f"rank {self.rank}: close() could not meet every peer: "
+                                    f"{e}", phase="close", rank=self.rank) from e
+        if ok is False:
+            raise AfdepTimeoutError(f"rank {self.rank}: close() waited more than "
+                                    f"{self.config.timeout_s} s for its peers",
+                                    phase="close", rank=self.rank)
 
     def __enter__(self) -> "Buffer":
         return self
