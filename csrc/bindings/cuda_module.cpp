@@ -1,0 +1,85 @@
+// pybind11 bindings of torch_afdep's CUDA path (torch_afdep._cuda). No torch headers: tensors
+// travel as raw device pointers (Python ints), streams as cudaStream_t ints.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cuda_runtime.h>
+
+#include "core/comm.h"
+
+namespace py = pybind11;
+using afdep::Comm;
+using afdep::CommConfig;
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "torch_afdep CUDA transport and kernels (CUDA IPC, one NVLink domain)";
+  m.attr("ROLE_BUFFERS") = (int)afdep::F_ROLE_BUFFERS;
+  m.attr("NO_ENTRY_BARRIER") = (int)afdep::F_NO_ENTRY_BARRIER;
+  m.attr("ONE_WAY_COUNTS") = (int)afdep::F_ONE_WAY_COUNTS;
+  m.attr("RECEIVER_WAIT_ONLY") = (int)afdep::F_RECEIVER_WAIT_ONLY;
+  m.attr("ROLE_WARPS") = (int)afdep::F_ROLE_WARPS;
+  m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
+
+  m.def("runtime_version", []() {
+    int v = 0;
+    cudaRuntimeGetVersion(&v);
+    return v;
+  });
+  m.def("device_count", []() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+    return n;
+  });
+
+  py::class_<Comm>(m, "Comm")
+      .def(py::init([](int rank, int device, std::vector<int> is_ffn, int num_sms, int hidden,
+                       int elem, int scale_cols, int num_experts, int top_k, int capacity,
+                       double timeout_s, unsigned flags) {
+             CommConfig c;
+             c.rank = rank;
+             c.device = device;
+             c.is_ffn = std::move(is_ffn);
+             c.num_sms = num_sms;
+             c.hidden = hidden;
+             c.elem = elem;
+             c.scale_cols = scale_cols;
+             c.num_experts = num_experts;
+             c.top_k = top_k;
+             c.capacity = capacity;
+             c.timeout_s = timeout_s;
+             c.flags = flags;
+             return new Comm(c);
+           }),
+           py::arg("rank"), py::arg("device"), py::arg("is_ffn"), py::arg("num_sms"),
+           py::arg("hidden"), py::arg("elem"), py::arg("scale_cols"), py::arg("num_experts"),
+           py::arg("top_k"), py::arg("capacity"), py::arg("timeout_s"), py::arg("flags"))
+      .def("local_handle", [](Comm& c) { return py::bytes(c.local_handle()); })
+      .def("open",
+           [](Comm& c, const std::vector<py::bytes>& hs) {
+             std::vector<std::string> v;
+             for (const auto& h : hs) v.emplace_back(std::string(h));
+             c.open(v);
+           })
+      .def_property_readonly("registered_bytes", &Comm::registered_bytes)
+      .def_property_readonly("union_bytes", &Comm::union_bytes)
+      .def_property_readonly("signal_bytes", [](const Comm& c) { return c.layout().signal_bytes; })
+      .def("dispatch", &Comm::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("receive", &Comm::receive, py::call_guard<py::gil_scoped_release>())
+      .def("reply", &Comm::reply, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &Comm::combine, py::call_guard<py::gil_scoped_release>())
+      .def("poll_error",
+           [](Comm& c, bool clear) {
+             auto e = c.poll_error(clear);
+             py::dict d;
+             d["timeout"] = e.timeout;
+             d["phase"] = e.phase;
+             d["peer"] = e.peer;
+             d["rank"] = e.rank;
+             d["route"] = e.route;
+             d["route_kind"] = e.route_kind;
+             d["route_bad_id"] = e.route_bad_id;
+             return d;
+           },
+           py::arg("clear") = true)
+      .def("close", &Comm::close);
+}

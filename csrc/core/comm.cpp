@@ -1,0 +1,260 @@
+#include "core/comm.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "core/launch.h"
+
+namespace afdep {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("torch_afdep CUDA: ") + what + ": " +
+                             cudaGetErrorString(e));
+}
+
+// Make `device` current for the scope (the caller's torch device normally already is).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    dev_ = device;
+  }
+  ~DeviceGuard() {
+    if (prev_ != dev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0, dev_ = 0;
+};
+
+}  // namespace
+
+Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
+  DeviceGuard g(device_);
+  Layout& L = L_;
+  L.rank = cfg.rank;
+  L.W = (int)cfg.is_ffn.size();
+  L.F = 0;
+  L.A = 0;
+  std::vector<int> ffn, attn;
+  for (int r = 0; r < L.W; ++r) (cfg.is_ffn[r] ? ffn : attn).push_back(r);
+  L.F = (int)ffn.size();
+  L.A = (int)attn.size();
+  if (L.F < 1 || L.A < 1) throw std::invalid_argument("need at least one FFN and one Attention rank");
+  if (L.F > 64) throw std::invalid_argument("at most 64 FFN ranks");
+  if (cfg.rank < 0 || cfg.rank >= L.W) throw std::invalid_argument("rank out of range");
+  L.is_ffn = cfg.is_ffn[cfg.rank];
+  L.my_index = 0;
+  for (int r = 0; r < cfg.rank; ++r) L.my_index += (cfg.is_ffn[r] == L.is_ffn);
+  L.S = cfg.num_sms;
+  L.H = cfg.hidden;
+  L.elem = cfg.elem;
+  L.row_bytes = cfg.hidden * cfg.elem;
+  L.scale_cols = cfg.scale_cols;
+  L.E = cfg.num_experts;
+  if (L.E % L.F) throw std::invalid_argument("num_experts must be divisible by ffn ranks");
+  L.El = L.E / L.F;
+  L.k = cfg.top_k;
+  L.R = L.k < L.El ? L.k : L.El;
+  L.C = cfg.capacity;
+  L.flags = cfg.flags & kAllRoleAware;
+  L.timeout_ns = (uint64_t)(cfg.timeout_s * 1e9);
+  if (L.k > 32) throw std::invalid_argument("the CUDA path supports top_k <= 32");
+  if (L.row_bytes % 16 || L.H % 8) throw std::invalid_argument("hidden rows must be 16-byte multiples");
+  if (L.S < 1 || L.S > 1024) throw std::invalid_argument("num_sms out of range");
+  compute_offsets(L);
+  union_bytes_ = union_window_bytes(L);
+  if (dispatch_smem_bytes(L) > 200 * 1024)
+    throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
+
+  // device workspace: peer table [W] u64 | counters [2][S] u64 | ffn [F] | attn [A] | cursors [2][El]
+  const size_t o_peer = 0;
+  const size_t o_ctr = o_peer + (size_t)L.W * 8;
+  const size_t o_ffn = o_ctr + (size_t)2 * L.S * 8;
+  const size_t o_attn = o_ffn + (size_t)L.F * 4;
+  const size_t o_cur = (o_attn + (size_t)L.A * 4 + 15) / 16 * 16;
+  const size_t ws_bytes = o_cur + (size_t)2 * L.El * 4;
+  check(cudaMalloc(&workspace_, ws_bytes), "cudaMalloc(workspace)");
+  check(cudaMemset(workspace_, 0, ws_bytes), "cudaMemset(workspace)");
+  char* ws = static_cast<char*>(workspace_);
+  check(cudaMemcpy(ws + o_ffn, ffn.data(), ffn.size() * 4, cudaMemcpyHostToDevice), "copy ffn");
+  check(cudaMemcpy(ws + o_attn, attn.data(), attn.size() * 4, cudaMemcpyHostToDevice), "copy attn");
+  L.peer_bases = reinterpret_cast<const uint64_t*>(ws + o_peer);
+  L.counters = reinterpret_cast<uint64_t*>(ws + o_ctr);
+  L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
+  L.rank_of_attn = reinterpret_cast<const int*>(ws + o_attn);
+  L.cursors = reinterpret_cast<int*>(ws + o_cur);
+
+  void* eh = nullptr;
+  check(cudaHostAlloc(&eh, sizeof(ErrorBlock), cudaHostAllocMapped), "cudaHostAlloc(error block)");
+  err_host_ = static_cast<ErrorBlock*>(eh);
+  std::memset(err_host_, 0, sizeof(ErrorBlock));
+  void* ed = nullptr;
+  check(cudaHostGetDevicePointer(&ed, eh, 0), "cudaHostGetDevicePointer");
+  L.err = static_cast<ErrorBlock*>(ed);
+
+  check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
+  transport_ = make_ipc_transport(device_);
+  transport_->allocate((size_t)L.window_bytes);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+Comm::~Comm() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+std::string Comm::local_handle() { return transport_->export_handle(); }
+
+void Comm::open(const std::vector<std::string>& handles) {
+  DeviceGuard g(device_);
+  if ((int)handles.size() != L_.W) throw std::invalid_argument("need one handle per rank");
+  transport_->open_peers(handles, L_.rank);
+  const auto& b = transport_->peer_bases();
+  check(cudaMemcpy(const_cast<uint64_t*>(L_.peer_bases), b.data(), b.size() * 8,
+                   cudaMemcpyHostToDevice),
+        "copy peer table");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  opened_ = true;
+}
+
+static void need(bool ok, const char* msg) {
+  if (!ok) throw std::runtime_error(msg);
+}
+
+void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids_64,
+                    uint64_t weights, uint64_t route, int T, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(!L_.is_ffn, "dispatch runs on Attention ranks");
+  need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
+  DeviceGuard g(device_);
+  const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
+  DispatchArgs a{};
+  a.x = reinterpret_cast<const void*>(x);
+  a.x_scales = reinterpret_cast<const float*>(x_scales);
+  a.expert_ids = reinterpret_cast<const void*>(expert_ids);
+  a.ids_64 = ids_64 ? 1 : 0;
+  a.weights = reinterpret_cast<const float*>(weights);
+  a.route = reinterpret_cast<int64_t*>(route);
+  a.T = T;
+  a.do_send = 1;
+  a.real_send = 1;
+  a.do_recv = all_peers ? 1 : 0;
+  a.real_recv = 0;
+  a.bucket = 1;
+  check(launch_dispatch(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
+}
+
+void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, uint64_t offsets,
+                   uint64_t src_rank, uint64_t src_token, uint64_t token_rows,
+                   uint64_t token_index, uint64_t num_tokens, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(L_.is_ffn, "receive runs on FFN ranks");
+  need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
+  DeviceGuard g(device_);
+  const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
+  DispatchArgs a{};
+  a.do_send = all_peers ? 1 : 0;
+  a.real_send = 0;
+  a.T = 0;
+  a.do_recv = 1;
+  a.real_recv = 1;
+  a.bucket = bucket;
+  a.out_x = reinterpret_cast<void*>(x);
+  a.out_scales = reinterpret_cast<float*>(x_scales);
+  a.out_weights = reinterpret_cast<float*>(weights);
+  a.out_offsets = reinterpret_cast<int*>(offsets);
+  a.out_src_rank = reinterpret_cast<int*>(src_rank);
+  a.out_src_token = reinterpret_cast<int*>(src_token);
+  a.out_token_rows = reinterpret_cast<int*>(token_rows);
+  a.out_token_index = reinterpret_cast<int*>(token_index);
+  a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
+  check(launch_dispatch(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch receive");
+}
+
+void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
+                 uint64_t num_tokens, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(L_.is_ffn, "reply runs on FFN ranks");
+  need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
+  DeviceGuard g(device_);
+  CombineArgs a{};
+  a.do_send = 1;
+  a.real_send = 1;
+  a.rows = reinterpret_cast<const void*>(rows);
+  a.token_rows = reinterpret_cast<const int*>(token_rows);
+  a.token_index = reinterpret_cast<const int*>(token_index);
+  a.num_tokens = reinterpret_cast<const int*>(num_tokens);
+  a.bucket = bucket;
+  a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
+  a.real_recv = 0;
+  check(launch_combine(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch reply");
+}
+
+void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(!L_.is_ffn, "combine runs on Attention ranks");
+  need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
+  DeviceGuard g(device_);
+  CombineArgs a{};
+  a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
+  a.real_send = 0;
+  a.bucket = 1;
+  a.do_recv = 1;
+  a.real_recv = 1;
+  a.route = reinterpret_cast<const int64_t*>(route);
+  a.out = reinterpret_cast<void*>(out);
+  a.T = T;
+  check(launch_combine(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+}
+
+ErrorInfo Comm::poll_error(bool clear) {
+  ErrorInfo e{};
+  if (!err_host_) return e;
+  volatile ErrorBlock* b = err_host_;
+  e.timeout = b->timeout;
+  e.route = b->route;
+  if (e.timeout) {
+    e.phase = b->timeout_phase;
+    e.peer = b->timeout_peer;
+    e.rank = b->timeout_rank;
+  }
+  if (e.route) {
+    e.route_kind = b->route_kind;
+    e.route_bad_id = b->route_bad_id;
+  }
+  if (clear) {
+    if (e.route) {
+      b->route = 0;
+      b->route_claim = 0;
+    }
+    if (e.timeout) {
+      b->timeout = 0;
+      b->timeout_claim = 0;
+    }
+  }
+  return e;
+}
+
+void Comm::close() {
+  if (closed_) return;
+  closed_ = true;
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();
+  if (transport_) transport_->close();
+  if (workspace_) cudaFree(workspace_);
+  workspace_ = nullptr;
+  if (err_host_) cudaFreeHost(err_host_);
+  err_host_ = nullptr;
+}
+
+}  // namespace afdep

@@ -1,0 +1,69 @@
+// One rank's CUDA exchange state: layout, registered window (through a Transport), device
+// workspace, host-mapped error block, and the four phase launches.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/args.h"
+#include "core/layout.h"
+#include "core/transport.h"
+
+namespace afdep {
+
+struct CommConfig {
+  int rank = 0;
+  int device = 0;
+  std::vector<int> is_ffn;  // per group rank: 1 FFN, 0 Attention
+  int num_sms = 24;
+  int hidden = 0;
+  int elem = 2;  // payload bytes per element (2 bf16, 1 fp8)
+  int scale_cols = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int capacity = 0;
+  double timeout_s = 100.0;
+  uint32_t flags = kAllRoleAware;
+};
+
+struct ErrorInfo {
+  int timeout, phase, peer, rank;
+  int route, route_kind;
+  long long route_bad_id;
+};
+
+class Comm {
+ public:
+  explicit Comm(const CommConfig& cfg);
+  ~Comm();
+  std::string local_handle();
+  void open(const std::vector<std::string>& handles);
+  int64_t registered_bytes() const { return L_.window_bytes; }
+  int64_t union_bytes() const { return union_bytes_; }
+  const Layout& layout() const { return L_; }
+  bool is_ffn() const { return L_.is_ffn != 0; }
+
+  void dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids_64, uint64_t weights,
+                uint64_t route, int T, uint64_t stream);
+  void receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, uint64_t offsets,
+               uint64_t src_rank, uint64_t src_token, uint64_t token_rows, uint64_t token_index,
+               uint64_t num_tokens, uint64_t stream);
+  void reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
+             uint64_t num_tokens, uint64_t stream);
+  void combine(uint64_t route, uint64_t out, int T, uint64_t stream);
+  ErrorInfo poll_error(bool clear);
+  void close();
+
+ private:
+  Layout L_{};
+  int device_;
+  int64_t union_bytes_ = 0;
+  std::unique_ptr<Transport> transport_;
+  void* workspace_ = nullptr;  // peer table, role tables, counters, cursors
+  ErrorBlock* err_host_ = nullptr;
+  bool opened_ = false, closed_ = false;
+};
+
+}  // namespace afdep

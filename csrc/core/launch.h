@@ -1,0 +1,17 @@
+// Host-side entry points of the kernels (compiled by nvcc, called from csrc/core/comm.cpp).
+#pragma once
+
+#include <cstddef>
+#include <cuda_runtime.h>
+
+#include "core/args.h"
+#include "core/layout.h"
+
+namespace afdep {
+
+size_t dispatch_smem_bytes(const Layout& L);
+cudaError_t dispatch_prepare(const Layout& L);
+cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, cudaStream_t stream);
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, cudaStream_t stream);
+
+}  // namespace afdep

@@ -1,0 +1,114 @@
+// Static layout of one rank's registered window and the control words the kernels use.
+// Plain C++ (no torch, no CUDA headers): shared by the host code and the kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace afdep {
+
+// Protocol controls (torch_afdep/controls.py builds this mask; every bit set = role-aware).
+enum ControlFlags : uint32_t {
+  F_ROLE_BUFFERS = 1u << 0,        // per-role inboxes (else union-sized windows everywhere)
+  F_NO_ENTRY_BARRIER = 1u << 1,    // no entry barrier (else full barrier in both phases)
+  F_ONE_WAY_COUNTS = 1u << 2,      // counts ride behind the payload A->F (else all-to-all first)
+  F_RECEIVER_WAIT_ONLY = 1u << 3,  // only receivers wait, per channel (else full exit barrier)
+  F_ROLE_WARPS = 1u << 4,          // each role runs only its stage (else both, with dummies)
+  F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
+};
+constexpr uint32_t kAllRoleAware = 0x3f;
+
+enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
+
+// Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
+struct ErrorBlock {
+  int timeout;        // 1 once some wait expired
+  int timeout_claim;  // first reporter wins
+  int timeout_phase;
+  int timeout_peer;   // group rank waited for
+  int timeout_rank;   // group rank that waited
+  int route;          // 1 once a bad expert id (or an overflow) was seen
+  int route_claim;
+  int route_kind;     // 0 bad id, 1 more local entries than R, 2 receipt/slot overflow
+  long long route_bad_id;
+};
+
+struct Layout {
+  // world
+  int rank, W, A, F, S;
+  int is_ffn, my_index;  // role of this rank and its index among that role's ranks
+  // sizes
+  int H, elem, row_bytes, scale_cols;
+  int E, El, k, R, C;
+  int slots;      // dispatch slots per (source, channel) = ceil(C / S)
+  int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R])
+  int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
+  int nsrc_c;     // combine inbox sources (F role-aware, W union)
+  uint32_t flags;
+  uint64_t timeout_ns;
+  // window offsets (identical on every rank)
+  int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, pad, i32 ecnt[El]}
+  int64_t off_disp_done;        // u64 [W][S]
+  int64_t off_comb_done;        // u64 [W][S]
+  int64_t off_entry;            // u64 [2][W][S]
+  int64_t off_exit;             // u64 [2][W][S]
+  int64_t off_data;             // start of the data area
+  int64_t off_payload, off_scales, off_meta;  // dispatch inbox arrays (FFN, or union)
+  int64_t off_comb;             // combine inbox [nsrc_c][C][H] bf16 (Attention, or union)
+  int64_t signal_bytes, dispatch_bytes, combine_bytes, window_bytes;
+  // device pointers
+  const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
+  const int* rank_of_ffn;      // [F]
+  const int* rank_of_attn;     // [A]
+  uint64_t* counters;          // [2][S] per-CTA exchange counters (device-local)
+  int* cursors;                // [2][El] per-expert row cursors (device-local)
+  ErrorBlock* err;             // device view of the host-mapped error block
+};
+
+inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Fill the size/offset fields of L from its world/size fields and flags.
+inline void compute_offsets(Layout& L) {
+  const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
+  L.slots = (L.C + L.S - 1) / L.S;
+  L.meta_ints = (int)round_up(2 + 2 * L.R, 4);
+  L.nsrc_d = role ? L.A : L.W;
+  L.nsrc_c = role ? L.F : L.W;
+  const int64_t ws = (int64_t)L.W * L.S;
+  int64_t o = 0;
+  L.cnt_stride = 16 + round_up((int64_t)L.El * 4, 16);
+  L.off_cnt = o;        o += ws * L.cnt_stride;
+  L.off_disp_done = o;  o += ws * 8;
+  L.off_comb_done = o;  o += ws * 8;
+  L.off_entry = o;      o += 2 * ws * 8;
+  L.off_exit = o;       o += 2 * ws * 8;
+  o = round_up(o, 256);
+  L.signal_bytes = o;
+  L.off_data = o;
+  // dispatch inbox
+  const int64_t dslots = (int64_t)L.nsrc_d * L.S * L.slots;
+  int64_t d = L.off_data;
+  L.off_payload = d;  d += round_up(dslots * L.row_bytes, 256);
+  L.off_scales = d;   d += round_up(dslots * L.scale_cols * 4, 256);
+  L.off_meta = d;     d += round_up(dslots * L.meta_ints * 4, 256);
+  L.dispatch_bytes = d - L.off_data;
+  // combine inbox (shares the data area's start: one role uses one of the two)
+  L.off_comb = L.off_data;
+  L.combine_bytes = round_up((int64_t)L.nsrc_c * L.C * L.H * 2, 256);
+  int64_t data;
+  if (role) {
+    data = L.is_ffn ? L.dispatch_bytes : L.combine_bytes;
+  } else {
+    data = L.dispatch_bytes > L.combine_bytes ? L.dispatch_bytes : L.combine_bytes;
+  }
+  L.window_bytes = L.off_data + data;
+}
+
+// What the symmetric union layout registers on one rank (same formulas, W sources both ways).
+inline int64_t union_window_bytes(const Layout& in) {
+  Layout u = in;
+  u.flags = in.flags & ~F_ROLE_BUFFERS;
+  compute_offsets(u);
+  return u.window_bytes;
+}
+
+}  // namespace afdep

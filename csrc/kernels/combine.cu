@@ -1,0 +1,170 @@
+// Combine phase: each FFN rank sums the rows of one token in fp32 and stores one BF16 row per
+// (token, FFN rank) into the token's Attention rank, indexed by the original token index;
+// Attention ranks sum the <= F rows of each token in fp32. One kernel serves both roles.
+#include "core/launch.h"
+#include "kernels/common.cuh"
+
+namespace afdep {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(p[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) p[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return v;
+}
+
+// FFN: one token of inbox slot `item` -> one reduced row in its Attention rank's inbox.
+__device__ void reply_token(const Layout& L, const CombineArgs& a, size_t item, int ai, int lane,
+                            int (*s_rows)[32], int warp, int src_idx) {
+  const int tok = a.token_index[item];
+  if (tok < 0 || tok >= L.C) {
+    if (lane == 0) report_route(L.err, tok, 2);
+    return;
+  }
+  const int rows_cap = L.A * a.bucket * L.R;
+  int row = -1;
+  if (lane < L.R) row = a.token_rows[item * L.R + lane];
+  const bool ok = lane < L.R && row >= 0 && row < rows_cap;
+  const unsigned b = __ballot_sync(kFull, ok);
+  const int nvalid = __popc(b);
+  if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
+  __syncwarp();
+  if (nvalid == 0) return;
+  const int nv = L.H / 8;
+  int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[ai]) + L.off_comb) +
+              ((size_t)src_idx * L.C + tok) * nv;
+  const int4* rows = static_cast<const int4*>(a.rows);
+  if (nvalid == 1) {
+    warp_copy16<false>(dst, rows + (size_t)s_rows[warp][0] * nv, nv, lane);
+  } else {
+    for (int i = lane; i < nv; i += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int r = 0;
+      for (; r + 4 <= nvalid; r += 4) {
+        int4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = ld_nc_v4(rows + (size_t)s_rows[warp][r + u] * nv + i);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) add_bf16x8(acc, v[u]);
+      }
+      for (; r < nvalid; ++r) add_bf16x8(acc, ld_nc_v4(rows + (size_t)s_rows[warp][r] * nv + i));
+      dst[i] = pack_bf16x8(acc);
+    }
+  }
+  __syncwarp();
+}
+
+// Attention: out[t] = fp32 sum over FFN ranks in route[t] of their reply rows.
+__device__ void collect_token(const Layout& L, const CombineArgs& a, int t, int lane) {
+  const uint64_t mask = (uint64_t)a.route[t];
+  const int nv = L.H / 8;
+  int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
+  const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
+  const int4* inbox = reinterpret_cast<const int4*>(peer_base(L, L.rank) + L.off_comb);
+  if (L.F == 1 && (L.flags & F_SINGLE_FFN)) {
+    if (mask & 1ull) {
+      const int src = role ? 0 : L.rank_of_ffn[0];
+      warp_copy16<true>(out, inbox + ((size_t)src * L.C + t) * nv, nv, lane);
+    } else {
+      const int4 z = make_int4(0, 0, 0, 0);
+      for (int i = lane; i < nv; i += 32) out[i] = z;
+    }
+    return;
+  }
+  for (int i = lane; i < nv; i += 32) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    uint64_t m = mask;
+    if (L.F < 64) m &= (1ull << L.F) - 1;
+    while (m) {
+      const int f = __ffsll((long long)m) - 1;
+      m &= m - 1;
+      const int src = role ? f : L.rank_of_ffn[f];
+      add_bf16x8(acc, ld_cg_v4(inbox + ((size_t)src * L.C + t) * nv + i));
+    }
+    out[i] = pack_bf16x8(acc);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
+  __shared__ int s_rows[kWarps][32];
+  const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t fl = L.flags;
+  const uint64_t n = L.counters[kPhaseCombine * L.S + c] + 1;
+  const uint64_t deadline = global_timer_ns() + L.timeout_ns;
+  const bool all_peers = !(fl & F_ROLE_WARPS);
+  const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
+  char* mine = peer_base(L, L.rank);
+  const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
+
+  if (!(fl & F_NO_ENTRY_BARRIER)) {
+    if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
+  }
+
+  if (a.do_send) {
+    if (a.real_send) {
+      const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
+      const size_t total = (size_t)L.A * a.bucket;
+      for (size_t item = gw; item < total; item += nw) {
+        const int ai = (int)(item / a.bucket), s = (int)(item % a.bucket);
+        if (s >= min(a.num_tokens[ai], a.bucket)) continue;
+        reply_token(L, a, item, ai, lane, s_rows, warp, src_idx);
+      }
+    }
+    __syncthreads();
+    if (rwo) {
+      const int ntg = all_peers ? L.W : L.A;
+      for (int ti = tid; ti < ntg; ti += blockDim.x) {
+        const int d = all_peers ? ti : L.rank_of_attn[ti];
+        fence_acq_rel_sys();
+        st_release_sys(sig_slot(peer_base(L, d), L.off_comb_done, L.W, L.S, L.rank, c), n);
+      }
+    }
+  }
+
+  if (!rwo) {
+    if (!exit_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
+  }
+
+  if (a.do_recv) {
+    if (rwo) {
+      const int nsrc = all_peers ? L.W : L.F;
+      bool ok = true;
+      for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
+        const int sr = all_peers ? i / L.S : L.rank_of_ffn[i / L.S];
+        ok = wait_geq(sig_slot(mine, L.off_comb_done, L.W, L.S, sr, i % L.S), n, deadline, L.err,
+                      kPhaseCombine, sr, L.rank);
+      }
+      if (!__syncthreads_and(ok ? 1 : 0)) return;
+    }
+    if (a.real_recv) {
+      for (int t = gw; t < a.T; t += nw) collect_token(L, a, t, lane);
+    }
+  }
+
+  __syncthreads();
+  if (tid == 0) L.counters[kPhaseCombine * L.S + c] = n;
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, cudaStream_t stream) {
+  combine_kernel<<<L.S, kThreads, 0, stream>>>(L, a);
+  return cudaGetLastError();
+}
+
+}  // namespace afdep

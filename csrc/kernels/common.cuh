@@ -1,0 +1,173 @@
+// Shared device helpers and the kernel parameter block of torch_afdep's CUDA path.
+// Written for this project; see docs/protocol.md for the protocol these kernels implement.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+
+#include "core/layout.h"
+#include "core/args.h"
+
+namespace afdep {
+
+constexpr int kThreads = 512;  // threads per transport CTA (16 warps)
+constexpr int kWarps = kThreads / 32;
+
+// ---- memory-model primitives -------------------------------------------------------------
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// ---- L2-only loads of inbox data (written by peers) and warp copies ---------------------
+__device__ __forceinline__ int ld_cg_i32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Copy nv 16-byte vectors with one warp; several loads in flight per lane.
+template <bool kSrcCg>
+__device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src,
+                                            int nv, int lane) {
+  constexpr int U = 4;
+  for (int i = lane; i < nv; i += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = i + u * 32;
+      if (j < nv) v[u] = kSrcCg ? ld_cg_v4(src + j) : ld_nc_v4(src + j);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = i + u * 32;
+      if (j < nv) dst[j] = v[u];
+    }
+  }
+}
+
+// ---- error reporting into host-mapped memory ---------------------------------------------
+__device__ __forceinline__ void report_timeout(ErrorBlock* err, int phase, int peer, int rank) {
+  if (atomicCAS(&err->timeout_claim, 0, 1) == 0) {
+    err->timeout_phase = phase;
+    err->timeout_peer = peer;
+    err->timeout_rank = rank;
+    __threadfence_system();
+    *(volatile int*)&err->timeout = 1;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ void report_route(ErrorBlock* err, long long bad_id, int kind) {
+  if (atomicCAS(&err->route_claim, 0, 1) == 0) {
+    err->route_bad_id = bad_id;
+    err->route_kind = kind;
+    __threadfence_system();
+    *(volatile int*)&err->route = 1;
+    __threadfence_system();
+  }
+}
+
+// Spin until *p >= target or the deadline passes. Returns false on timeout (and reports it).
+__device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uint64_t deadline,
+                                         ErrorBlock* err, int phase, int peer, int rank) {
+  if (ld_acquire_sys(p) >= target) return true;
+  uint32_t spins = 0;
+  while (true) {
+    if (ld_acquire_sys(p) >= target) return true;
+    if ((++spins & 31u) == 0) {
+      if (global_timer_ns() > deadline) {
+        report_timeout(err, phase, peer, rank);
+        return false;
+      }
+      // another CTA of this rank already gave up: stop too (host-mapped: read rarely)
+      if ((spins & 1023u) == 0 && *(volatile int*)&err->timeout) return false;
+    }
+  }
+}
+
+// ---- window addressing -------------------------------------------------------------------
+__device__ __forceinline__ char* peer_base(const Layout& L, int r) {
+  return reinterpret_cast<char*>(L.peer_bases[r]);
+}
+
+__device__ __forceinline__ uint64_t* sig_slot(char* base, int64_t off, int W, int S, int src, int ch) {
+  return reinterpret_cast<uint64_t*>(base + off) + (size_t)src * S + ch;
+}
+
+// count block (header + per-local-expert counts) of (src, ch) inside a window
+__device__ __forceinline__ char* cnt_block(const Layout& L, char* base, int src, int ch) {
+  return base + L.off_cnt + ((size_t)src * L.S + ch) * L.cnt_stride;
+}
+
+// Per-channel entry barrier among all ranks (symmetric mode only).
+__device__ __forceinline__ bool entry_barrier(const Layout& L, int phase, uint64_t n,
+                                              uint64_t deadline, ErrorBlock* err) {
+  const int c = blockIdx.x;
+  const int64_t off = L.off_entry + (int64_t)phase * L.W * L.S * 8;
+  for (int p = threadIdx.x; p < L.W; p += blockDim.x)
+    st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
+  bool ok = true;
+  for (int p = threadIdx.x; p < L.W && ok; p += blockDim.x)
+    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, p, c), n, deadline, err, phase, p,
+                  L.rank);
+  return __syncthreads_and(ok ? 1 : 0);
+}
+
+// Full exit barrier among all ranks and all channels (symmetric mode only).
+__device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_t n,
+                                             uint64_t deadline, ErrorBlock* err) {
+  const int c = blockIdx.x;
+  const int64_t off = L.off_exit + (int64_t)phase * L.W * L.S * 8;
+  __syncthreads();
+  for (int p = threadIdx.x; p < L.W; p += blockDim.x) {
+    fence_acq_rel_sys();
+    st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
+  }
+  bool ok = true;
+  for (int i = threadIdx.x; i < L.W * L.S && ok; i += blockDim.x) {
+    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, i / L.S, i % L.S), n, deadline,
+                  err, phase, i / L.S, L.rank);
+  }
+  return __syncthreads_and(ok ? 1 : 0);
+}
+
+}  // namespace afdep

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call on the device machine: build, GPU tests (incl. the timeout
+# test), compute-sanitizer memcheck on a small 1A1F exchange, and the latency benchmark.
+# Logs and JSON go under $OUT (default ./gpu_out). Usage:
+#   scripts/gpu_suite.sh [full|smoke]     (full: everything; smoke: a quick subset)
+# Env: PYTEST_K (extra -k filter), BENCH_ARGS (extra args for benchmarks/latency.py),
+#      SKIP_BENCH=1, SKIP_SAN=1, AFDEP_COMMIT (recorded in the benchmark JSON).
+set -u -o pipefail
+MODE="${1:-full}"
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+export MAX_JOBS="${MAX_JOBS:-32}"
+PY=python3
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+{
+  stamp "mode=$MODE commit=${AFDEP_COMMIT:-?}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  nvidia-smi topo -m 2>&1 | head -5
+  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee "$OUT/env.log"
+
+# ---- build -----------------------------------------------------------------------------
+stamp "build: pip install --no-build-isolation --no-deps -e ." | tee "$OUT/build.log"
+if ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
+  stamp "pip install failed; building torch_afdep._cuda alone in place" | tee -a "$OUT/build.log"
+  $PY - >>"$OUT/build.log" 2>&1 <<'PYEOF'
+import os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "csrc"))
+from cuda_build import make_cuda_extension
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension
+setup(name="torch_afdep_cuda_only", ext_modules=[make_cuda_extension(os.getcwd(), None)],
+      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+      script_args=["build_ext", "--inplace"])
+PYEOF
+  export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+fi
+stamp "build done" | tee -a "$OUT/build.log"
+$PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_version())' 2>&1 | tee -a "$OUT/build.log"
+
+# ---- tests ---------------------------------------------------------------------------
+if [ "$MODE" = "smoke" ]; then
+  K="eager_role_aware and 1A1F-128-2048 or eager_symmetric and 1A1F or timeout or graph_replays and 1A1F-bfloat16-role_aware"
+else
+  K="not sanitizer"
+fi
+[ -n "${PYTEST_K:-}" ] && K="($K) and ($PYTEST_K)"
+stamp "pytest -k '$K'" | tee "$OUT/tests.log"
+timeout "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
+  --durations=15 >>"$OUT/tests.log" 2>&1
+echo "pytest rc=$?" | tee -a "$OUT/tests.log"
+tail -25 "$OUT/tests.log"
+
+# ---- compute-sanitizer -------------------------------------------------------------
+if [ "${SKIP_SAN:-0}" != "1" ]; then
+  stamp "compute-sanitizer memcheck (small 1A1F)" | tee "$OUT/sanitizer.log"
+  timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
+    --error-exitcode 9 $PY -m pytest tests/gpu -q -x -p no:cacheprovider -k sanitizer \
+    >>"$OUT/sanitizer.log" 2>&1
+  echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
+  grep -E "ERROR SUMMARY|passed|failed|error" "$OUT/sanitizer.log" | tail -8
+fi
+
+# ---- benchmark -----------------------------------------------------------------------
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  stamp "benchmarks/latency.py ${BENCH_ARGS:-}" | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/latency.py --out "$OUT/latency.json" \
+    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+  echo "bench rc=$?" | tee -a "$OUT/bench.log"
+  tail -14 "$OUT/bench.log"
+fi
+stamp "suite done"

@@ -1,0 +1,357 @@
+"""Spawned-world bodies of the GPU tests (module level: spawn pickles them by name).
+
+Every body drives ``torch_afdep._cuda_impl.CudaTransport`` directly and checks each exchange
+against ``torch_afdep.reference`` (fp64 on the CPU). Inputs are derived from a seed, so every
+rank can rebuild every Attention rank's inputs and the FFN ranks check what they received.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from torch_afdep import reference as ref
+from torch_afdep.config import FFN, Config
+
+
+def make_config(kw) -> Config:
+    kw = dict(kw)
+    if isinstance(kw.get("dtype"), str):
+        kw["dtype"] = getattr(torch, kw["dtype"])
+    if isinstance(kw.get("roles"), str):
+        from torch_afdep.config import parse_roles
+
+        kw["roles"] = parse_roles(kw["roles"])
+    return Config(**kw)
+
+
+def make_inputs(cfg, a: int, tokens: int, routing: str, seed: int, bad_ids: bool = False):
+    """Attention index a's inputs for one exchange (identical on every rank for a seed)."""
+    g = torch.Generator().manual_seed(seed * 1009 + a * 7919 + 17)
+    x32 = torch.randn(tokens, cfg.hidden_size, generator=g)
+    if cfg.dtype == torch.float8_e4m3fn:
+        blocks = x32.view(tokens, cfg.hidden_size // 128, 128)
+        amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+        scales = (amax / 448.0).to(torch.float32)
+        x = (blocks / scales[:, :, None]).view(tokens, cfg.hidden_size).to(torch.float8_e4m3fn)
+    else:
+        scales = None
+        x = x32.to(torch.bfloat16)
+    ids, w = ref.random_routing(cfg, tokens, routing, generator=g)
+    if bad_ids and tokens > 0:
+        ids = ids.clone()
+        ids[tokens // 2, 0] = cfg.num_experts + 5
+        if cfg.top_k > 1:
+            ids[tokens - 1, 1] = -3
+    if (a + seed) % 2 == 1:
+        ids = ids.to(torch.int32)  # both id dtypes
+    return x, ids, w, scales
+
+
+def clean_ids(cfg, ids):
+    ids = ids.to(torch.int64)
+    return torch.where((ids >= 0) & (ids < cfg.num_experts), ids, torch.full_like(ids, -1))
+
+
+def expert_scale(cfg, e):
+    return 1.0 + e / cfg.num_experts
+
+
+def expert_fn_factory(cfg):
+    return lambda e, rows: rows * expert_scale(cfg, e)
+
+
+def ffn_rows(cfg, f, x, x_scales, weights, offsets):
+    """Device-side expert function (graph-capturable): rows * (1 + e/E) * weight -> bf16."""
+    n = x.shape[0]
+    el = torch.searchsorted(offsets[1:].to(torch.int64),
+                            torch.arange(n, device=x.device, dtype=torch.int64), right=True)
+    e = (el + f * cfg.experts_per_rank).to(torch.float32)
+    xf = x.to(torch.float32)
+    if x_scales is not None and x_scales.numel() > 0:
+        xf = xf * x_scales.repeat_interleave(128, dim=1)
+    return (xf * (1.0 + e / cfg.num_experts)[:, None] * weights[:, None]).to(torch.bfloat16)
+
+
+class FfnOutputs:
+    def __init__(self, cfg, bucket, device):
+        A, R, H = cfg.attention_ranks, cfg.rows_per_token, cfg.hidden_size
+        rows = A * bucket * R
+        self.bucket = bucket
+        self.x = torch.empty(rows, H, dtype=cfg.dtype, device=device)
+        self.x_scales = torch.empty(rows, cfg.scale_cols, dtype=torch.float32, device=device)
+        self.weights = torch.empty(rows, dtype=torch.float32, device=device)
+        self.offsets = torch.empty(cfg.experts_per_rank + 1, dtype=torch.int32, device=device)
+        self.src_rank = torch.empty(rows, dtype=torch.int32, device=device)
+        self.src_token = torch.empty(rows, dtype=torch.int32, device=device)
+        self.token_rows = torch.empty(A, bucket, R, dtype=torch.int32, device=device)
+        self.token_index = torch.empty(A, bucket, dtype=torch.int32, device=device)
+        self.num_tokens = torch.empty(A, dtype=torch.int32, device=device)
+
+    def poison(self):
+        self.x.view(torch.uint8).fill_(0xFF)
+        self.x_scales.fill_(float("nan"))
+        self.weights.fill_(float("nan"))
+        for t in (self.offsets, self.src_rank, self.src_token, self.token_rows,
+                  self.token_index, self.num_tokens):
+            t.fill_(-7)
+
+    def receive(self, t):
+        t.receive(self.bucket, self.x, self.x_scales if self.x_scales.shape[1] else None,
+                  self.weights, self.offsets, self.src_rank, self.src_token, self.token_rows,
+                  self.token_index, self.num_tokens)
+
+
+def check_ffn(cfg, f, o: FfnOutputs, inputs):
+    """Everything an FFN rank received, against the inputs of every Attention rank."""
+    El, R = cfg.experts_per_rank, cfg.rows_per_token
+    lo, hi = f * El, (f + 1) * El
+    att = cfg.attention_group_ranks
+    ids_all = [clean_ids(cfg, inp[1]) for inp in inputs]
+    counts = ref.expert_counts(cfg, ids_all)[f]
+    offs = o.offsets.cpu().to(torch.int64)
+    want_offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    assert torch.equal(offs, want_offs), f"expert_offsets {offs.tolist()} != {want_offs.tolist()}"
+    total = int(offs[-1])
+    sr = o.src_rank.cpu()[:total].to(torch.int64)
+    st = o.src_token.cpu()[:total].to(torch.int64)
+    wr = o.weights.cpu()[:total]
+    el = torch.searchsorted(offs[1:], torch.arange(total), right=True)
+    # multiset of (a, token, expert, weight bits) against the reference
+    a_of_rank = {r: i for i, r in enumerate(att)}
+    assert all(int(r) in a_of_rank for r in sr.unique().tolist()), "src_rank not an Attention rank"
+    got = sorted(zip([a_of_rank[int(r)] for r in sr.tolist()], st.tolist(),
+                     (el + lo).tolist(), wr.view(torch.int32).tolist()))
+    want = []
+    for a, (x, ids, w, sc) in enumerate(inputs):
+        ids = ids_all[a]
+        m = (ids >= lo) & (ids < hi)
+        tt, jj = m.nonzero(as_tuple=True)
+        want += list(zip([a] * len(tt), tt.tolist(), ids[tt, jj].tolist(),
+                         w[tt, jj].contiguous().view(torch.int32).tolist()))
+    assert got == sorted(want), f"received rows differ ({len(got)} vs {len(want)})"
+    # payload and scales bitwise
+    if total:
+        xr = o.x.cpu()[:total]
+        ibits = torch.int16 if cfg.dtype == torch.bfloat16 else torch.uint8
+        for a, (x, ids, w, sc) in enumerate(inputs):
+            m = sr == att[a]
+            if not m.any():
+                continue
+            assert torch.equal(xr[m].view(ibits), x[st[m]].view(ibits)), f"payload from a={a}"
+            if sc is not None:
+                assert torch.equal(o.x_scales.cpu()[:total][m], sc[st[m]]), f"scales from a={a}"
+    # receipt
+    nt = o.num_tokens.cpu()
+    tr = o.token_rows.cpu()
+    ti = o.token_index.cpu()
+    for a, (x, ids, w, sc) in enumerate(inputs):
+        ids = ids_all[a]
+        reach = ((ids >= lo) & (ids < hi))
+        tokens = reach.any(dim=1).nonzero().flatten()
+        n = int(nt[a])
+        assert n == len(tokens), f"num_tokens[{a}] = {n}, want {len(tokens)}"
+        assert sorted(ti[a, :n].tolist()) == tokens.tolist(), f"token_index[{a}]"
+        for s in range(n):
+            tok = int(ti[a, s])
+            rows = tr[a, s]
+            valid = rows[rows >= 0]
+            assert len(valid) == int(reach[tok].sum()), f"token_rows[{a},{s}]"
+            assert bool((rows[len(valid):] == -1).all()), f"token_rows[{a},{s}] tail"
+            assert bool((sr[valid.long()] == att[a]).all()) and bool((st[valid.long()] == tok).all())
+
+
+def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2):
+    idc = clean_ids(cfg, ids)
+    want_route = ref.route_mask(cfg, idc)
+    got_route = route.cpu()
+    assert torch.equal(got_route, want_route), f"route {got_route[:8]} != {want_route[:8]}"
+    want = ref.moe_output(cfg, x, idc, w, expert_fn_factory(cfg), sc)
+    o = out.cpu().to(torch.float64)
+    assert bool(torch.isfinite(o).all()), "non-finite output (unwritten rows?)"
+    zero = want_route == 0
+    assert bool((o[zero] == 0).all()), "tokens with no expert must be zero"
+    err = ref.relative_error(o, want) if x.shape[0] else 0.0
+    assert err < tol, f"relative error {err}"
+    return err
+
+
+def _transport(cfg, rank):
+    from torch_afdep._cuda_impl import CudaTransport
+
+    return CudaTransport(cfg, rank, torch.device("cuda", torch.cuda.current_device()),
+                         dist.group.WORLD)
+
+
+def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
+    """plan: list of (bucket, [T per Attention rank], routing). Returns per-rank stats."""
+    cfg = make_config(cfg_kw)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = _transport(cfg, rank)
+    stats = {"registered_bytes": t.registered_bytes, "union_bytes": t.union_bytes,
+             "role": cfg.role_of(rank), "errors": []}
+    role, idx = cfg.role_of(rank), cfg.role_index(rank)
+    try:
+        for i, (bucket, tokens, routing) in enumerate(plan):
+            seed = seed0 + i
+            inputs = [make_inputs(cfg, a, tokens[a], routing, seed, bad_ids)
+                      for a in range(cfg.attention_ranks)]
+            if role == FFN:
+                o = FfnOutputs(cfg, bucket, dev)
+                o.poison()
+                o.receive(t)
+                rows = ffn_rows(cfg, idx, o.x, o.x_scales if cfg.scale_cols else None,
+                                o.weights, o.offsets)
+                t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
+                torch.cuda.synchronize()
+                t.check_error()
+                check_ffn(cfg, idx, o, inputs)
+            else:
+                x, ids, w, sc = inputs[idx]
+                T = x.shape[0]
+                route = torch.full((T,), -7, dtype=torch.int64, device=dev)
+                out = torch.full((T, cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
+                                 device=dev)
+                t.dispatch(x.to(dev), ids.to(dev), w.to(dev),
+                           None if sc is None else sc.to(dev), bucket, route)
+                t.combine(route, out)
+                torch.cuda.synchronize()
+                try:
+                    t.check_error()
+                except Exception as e:  # noqa: BLE001
+                    if not bad_ids:
+                        raise
+                    stats["errors"].append(type(e).__name__)
+                err = check_attention(cfg, x, ids, w, sc, route, out)
+                stats.setdefault("rel_err", []).append(err)
+    finally:
+        t.close()
+    return stats
+
+
+def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="partial"):
+    """Capture one exchange per rank in a CUDA graph; replay with fresh inputs each time."""
+    cfg = make_config(cfg_kw)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = _transport(cfg, rank)
+    role, idx = cfg.role_of(rank), cfg.role_index(rank)
+    checked = 0
+    try:
+        if role == FFN:
+            o = FfnOutputs(cfg, bucket, dev)
+
+            def step():
+                o.receive(t)
+                rows = ffn_rows(cfg, idx, o.x, o.x_scales if cfg.scale_cols else None,
+                                o.weights, o.offsets)
+                t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
+
+            # eager warm-up exchange (pairs with the Attention ranks' one)
+            o.poison()
+            step()
+            torch.cuda.synchronize()
+            t.check_error()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            dist.barrier()
+            for i in range(replays):
+                inputs = [make_inputs(cfg, a, tokens[a], routing, seed0 + i)
+                          for a in range(cfg.attention_ranks)]
+                o.poison()
+                g.replay()
+                torch.cuda.synchronize()
+                t.check_error()
+                check_ffn(cfg, idx, o, inputs)
+                checked += 1
+        else:
+            T = tokens[idx]
+            x0, ids0, w0, sc0 = make_inputs(cfg, idx, T, routing, seed0 - 1)
+            xs = x0.to(dev)
+            ids_s = ids0.to(torch.int64).to(dev)
+            ws = w0.to(dev)
+            scs = None if sc0 is None else sc0.to(dev)
+            route = torch.empty(T, dtype=torch.int64, device=dev)
+            out = torch.empty(T, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+
+            def step():
+                t.dispatch(xs, ids_s, ws, scs, bucket, route)
+                t.combine(route, out)
+
+            step()
+            torch.cuda.synchronize()
+            t.check_error()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            dist.barrier()
+            for i in range(replays):
+                x, ids, w, sc = make_inputs(cfg, idx, T, routing, seed0 + i)
+                xs.copy_(x)
+                ids_s.copy_(ids.to(torch.int64))
+                ws.copy_(w)
+                if sc is not None:
+                    scs.copy_(sc)
+                route.fill_(-7)
+                out.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                t.check_error()
+                check_attention(cfg, x, ids, w, sc, route, out)
+                checked += 1
+    finally:
+        t.close()
+    return checked
+
+
+def timeout_body(rank, world, cfg_kw):
+    """One side never sends: the waiting rank raises AfdepTimeoutError within the timeout."""
+    from torch_afdep.errors import AfdepTimeoutError
+
+    cfg = make_config(cfg_kw)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = _transport(cfg, rank)
+    res = {}
+    try:
+        if cfg.role_of(rank) == FFN:
+            o = FfnOutputs(cfg, 8, dev)
+            t0 = time.monotonic()
+            o.receive(t)  # no Attention rank dispatches
+            torch.cuda.synchronize()
+            res["elapsed"] = time.monotonic() - t0
+            try:
+                t.check_error()
+                res["raised"] = None
+            except AfdepTimeoutError as e:
+                res["raised"] = ("dispatch", e.phase, e.peer, e.rank)
+            dist.barrier()
+        else:
+            dist.barrier()
+            route = torch.zeros(0, dtype=torch.int64, device=dev)
+            out = torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+            route = torch.ones(3, dtype=torch.int64, device=dev)
+            t0 = time.monotonic()
+            t.combine(route, out)  # no FFN rank replies
+            torch.cuda.synchronize()
+            res["elapsed"] = time.monotonic() - t0
+            try:
+                t.check_error()
+                res["raised"] = None
+            except AfdepTimeoutError as e:
+                res["raised"] = ("combine", e.phase, e.peer, e.rank)
+    finally:
+        t.close()
+    return res
+
+
+def sizes_body(rank, world, cfg_kw):
+    cfg = make_config(cfg_kw)
+    t = _transport(cfg, rank)
+    try:
+        return {"role": cfg.role_of(rank), "registered_bytes": t.registered_bytes,
+                "union_bytes": t.union_bytes, "signal_bytes": t.signal_bytes}
+    finally:
+        t.close()

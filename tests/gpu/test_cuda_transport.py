@@ -1,0 +1,166 @@
+"""GPU tests of the CUDA transport (CUDA IPC in one NVLink domain), against the fp64 reference.
+
+Skipped cleanly without two CUDA GPUs or without the built extension (torch_afdep._cuda).
+Several ranks share a GPU for 2A2F, 3A1F and 1A3F (CUDA IPC allows it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _have_ext() -> bool:
+    try:
+        import torch_afdep._cuda  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+if _gpu_count() < 2 or not _have_ext():
+    pytest.skip("needs 2 CUDA GPUs and the torch_afdep._cuda extension", allow_module_level=True)
+
+import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+from torch_afdep.testing import spawn_world  # noqa: E402
+
+BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+SYM = {"AFDEP_SYMMETRIC": "1"}
+
+# layout name -> (F, A, device of each group rank, num_experts)
+LAYOUTS = {
+    "1A1F": (1, 1, [0, 1], 128),
+    "2A2F": (2, 2, [0, 1, 0, 1], 128),
+    "3A1F": (1, 3, [0, 1, 1, 0], 128),
+    "1A3F": (3, 1, [0, 1, 0, 1], 96),
+}
+
+
+def cfg_kw(layout, cap, hidden, dtype="bfloat16", timeout=30.0):
+    F, A, _, E = LAYOUTS[layout]
+    return dict(capacity_tokens_per_rank=cap, hidden_size=hidden, num_experts=E, top_k=8,
+                ffn_ranks=F, attention_ranks=A, dtype=dtype, num_sms=24, timeout_s=timeout)
+
+
+def tokens_plan(A, cap):
+    """Different T per Attention rank in one exchange, covering 0, 1, 7, 128 and the bucket."""
+    ts = [t for t in (0, 1, 7, 128, cap) if t <= cap]
+    plan = []
+    kinds = ["random", "skewed", "partial"]
+    for i in range(max(len(ts), 3)):
+        tok = [ts[(i + a) % len(ts)] for a in range(A)]
+        plan.append((cap, tok, kinds[i % 3]))
+    # a bucket smaller than capacity
+    if cap > 8:
+        plan.append((8, [min(8, 7 + a % 2) for a in range(A)], "partial"))
+    return plan
+
+
+def run(layout, kw, plan, env=None, seed=1, bad_ids=False, body=None):
+    F, A, devs, _ = LAYOUTS[layout]
+    e = dict(BASE_ENV)
+    e.update(env or {})
+    body = body or gw.exchanges_body
+    return spawn_world(body, F + A, kw, plan, seed, bad_ids, device_ids=devs, env=e,
+                       timeout=600)
+
+
+CASES = [
+    ("1A1F", 128, 2048, "bfloat16"),
+    ("1A1F", 2048, 4096, "bfloat16"),
+    ("1A1F", 2048, 7168, "float8_e4m3fn"),
+    ("1A1F", 128, 7168, "float8_e4m3fn"),
+    ("2A2F", 128, 4096, "bfloat16"),
+    ("2A2F", 2048, 2048, "float8_e4m3fn"),
+    ("3A1F", 128, 2048, "float8_e4m3fn"),
+    ("3A1F", 2048, 4096, "bfloat16"),
+    ("1A3F", 128, 7168, "bfloat16"),
+    ("1A3F", 2048, 2048, "float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
+def test_eager_role_aware(layout, cap, hidden, dtype):
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap))
+    assert all(s["registered_bytes"] <= s["union_bytes"] for s in stats)
+
+
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [CASES[0], CASES[2], CASES[4], CASES[6],
+                                                     CASES[8]])
+def test_eager_symmetric(layout, cap, hidden, dtype):
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=SYM)
+    assert all(s["registered_bytes"] == s["union_bytes"] for s in stats)
+
+
+SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
+          "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN"]
+
+
+@pytest.mark.parametrize("control", SINGLE)
+def test_each_control_reverted_alone(control):
+    layout = "2A2F" if control != "AFDEP_SINGLE_FFN" else "3A1F"
+    kw = cfg_kw(layout, 128, 2048)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], 128), env={control: "0"}, seed=11)
+
+
+def test_route_errors_reported_and_skipped():
+    kw = cfg_kw("1A1F", 128, 2048)
+    stats = run("1A1F", kw, [(128, [7], "random"), (128, [128], "partial")], bad_ids=True)
+    att = [s for s in stats if s["role"] == "attention"][0]
+    assert att["errors"] == ["AfdepRouteError", "AfdepRouteError"]
+
+
+def test_registered_bytes_per_role():
+    for layout in ("1A1F", "2A2F", "3A1F", "1A3F"):
+        kw = cfg_kw(layout, 2048, 4096)
+        F, A, devs, _ = LAYOUTS[layout]
+        stats = spawn_world(gw.sizes_body, F + A, kw, device_ids=devs, env=BASE_ENV)
+        total = sum(s["registered_bytes"] for s in stats)
+        union = sum(s["union_bytes"] for s in stats)
+        print(layout, [(s["role"], s["registered_bytes"]) for s in stats], "union", union,
+              f"{100.0 * total / union:.1f}%")
+        assert total < union
+
+
+@pytest.mark.parametrize("env", [{}, SYM], ids=["role_aware", "symmetric"])
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn")])
+def test_cuda_graph_replays(layout, dtype, env):
+    F, A, devs, _ = LAYOUTS[layout]
+    kw = cfg_kw(layout, 128, 2048, dtype)
+    tokens = [7, 128, 1][:A]
+    e = dict(BASE_ENV)
+    e.update(env)
+    res = spawn_world(gw.graph_body, F + A, kw, 128, tokens, 100, 5000, device_ids=devs, env=e,
+                      timeout=600)
+    assert all(r == 100 for r in res)
+
+
+def test_timeout_raises():
+    kw = cfg_kw("1A1F", 128, 2048, timeout=2.0)
+    res = spawn_world(gw.timeout_body, 2, kw, device_ids=[0, 1], env=BASE_ENV, timeout=120)
+    ffn, att = res[0], res[1]
+    assert ffn["raised"] == ("dispatch", "dispatch", 1, 0), ffn
+    assert att["raised"] == ("combine", "combine", 0, 1), att
+    for r in res:
+        assert 1.9 <= r["elapsed"] <= 6.0, r
+
+
+def test_sanitizer_small():
+    """Small 1A1F exchange (run under compute-sanitizer by scripts/gpu_suite.sh)."""
+    kw = cfg_kw("1A1F", 32, 1024)
+    run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])

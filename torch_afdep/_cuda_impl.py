@@ -1,0 +1,148 @@
+"""CUDA path of the exchange contract: CUDA IPC peer memory in one NVLink domain.
+
+``CudaTransport`` is the glue between torch tensors and ``torch_afdep._cuda`` (plain CUDA
+runtime + pybind11): it passes raw device pointers and the current stream, launches nothing
+but the four phase kernels, never synchronizes the host on the hot path, and allocates and
+registers all memory in ``__init__`` (so exchanges can be captured in CUDA graphs after it).
+The protocol is described in docs/protocol.md; its controls in torch_afdep/controls.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import controls
+from .config import FFN, Config
+from .errors import AfdepRouteError, AfdepTimeoutError
+
+_PHASES = {0: "dispatch", 1: "combine"}
+_ROUTE_KINDS = {
+    0: "expert id outside [-1, num_experts)",
+    1: "more local entries for one FFN rank than rows_per_token (duplicated ids)",
+    2: "receipt or slot index out of range (bucket/receipt mismatch)",
+}
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class CudaTransport:
+    """One rank's CUDA exchange state (collective to create over ``cpu_group``, a gloo group
+    of the same ranks in the same order)."""
+
+    def __init__(self, config: Config, group_rank: int, device, cpu_group=None,
+                 flags: Optional[int] = None):
+        from . import _cuda  # the extension; ImportError when it was not built
+
+        self.config = config
+        self.rank = int(group_rank)
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = cpu_group
+        self.flags = controls.current() if flags is None else int(flags)
+        self.role = config.role_of(self.rank)
+        self.is_ffn = self.role == FFN
+        self.index = config.role_index(self.rank)
+        self._closed = False
+        c = config
+        elem = 1 if c.dtype == torch.float8_e4m3fn else 2
+        self._comm = _cuda.Comm(
+            rank=self.rank, device=self.device.index,
+            is_ffn=[1 if r == FFN else 0 for r in c.role_list],
+            num_sms=c.num_sms, hidden=c.hidden_size, elem=elem, scale_cols=c.scale_cols,
+            num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
+            timeout_s=float(c.timeout_s), flags=self.flags)
+        mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint())
+        world = dist.get_world_size(cpu_group)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine, group=cpu_group)
+        bad = [r for r, g in enumerate(gathered) if g[1] != self.flags or g[2] != c.fingerprint()]
+        if bad:
+            self._comm.close()
+            raise RuntimeError(
+                f"torch_afdep: ranks {bad} differ in protocol controls or config "
+                f"(this rank: {controls.describe(self.flags)}); set the same AFDEP_* "
+                "environment on every rank")
+        self._comm.open([g[0] for g in gathered])
+        dist.barrier(group=cpu_group)
+
+    # ---- sizes ------------------------------------------------------------------------
+    @property
+    def registered_bytes(self) -> int:
+        return int(self._comm.registered_bytes)
+
+    @property
+    def union_bytes(self) -> int:
+        return int(self._comm.union_bytes)
+
+    @property
+    def signal_bytes(self) -> int:
+        return int(self._comm.signal_bytes)
+
+    # ---- Attention --------------------------------------------------------------------
+    def dispatch(self, x, expert_ids, weights, x_scales, bucket, route) -> None:
+        t = x.shape[0]
+        if t > bucket:
+            raise ValueError(f"x has {t} tokens but bucket is {bucket}")
+        self._comm.dispatch(_ptr(x), _ptr(x_scales), _ptr(expert_ids),
+                            expert_ids.dtype == torch.int64, _ptr(weights), _ptr(route), int(t),
+                            _stream(self.device))
+
+    def combine(self, route, out) -> None:
+        self._comm.combine(_ptr(route), _ptr(out), int(out.shape[0]), _stream(self.device))
+
+    # ---- FFN --------------------------------------------------------------------------
+    def receive(self, bucket, x, x_scales, weights, expert_offsets, src_rank, src_token,
+                token_rows, token_index, num_tokens) -> None:
+        self._comm.receive(int(bucket), _ptr(x), _ptr(x_scales), _ptr(weights),
+                           _ptr(expert_offsets), _ptr(src_rank), _ptr(src_token),
+                           _ptr(token_rows), _ptr(token_index), _ptr(num_tokens),
+                           _stream(self.device))
+
+    def reply(self, rows, token_rows, token_index, num_tokens) -> None:
+        bucket = token_index.shape[1]
+        self._comm.reply(int(bucket), _ptr(rows), _ptr(token_rows), _ptr(token_index),
+                         _ptr(num_tokens), _stream(self.device))
+
+    # ---- errors and lifecycle ---------------------------------------------------------
+    def check_error(self) -> None:
+        """Raise what the device reported (host-mapped memory; no synchronization)."""
+        if self._closed:
+            return
+        e = self._comm.poll_error(True)
+        if e["timeout"]:
+            phase = _PHASES.get(e["phase"], str(e["phase"]))
+            raise AfdepTimeoutError(
+                f"rank {e['rank']} waited longer than {self.config.timeout_s} s for rank "
+                f"{e['peer']} in {phase}", peer=e["peer"], phase=phase, rank=e["rank"])
+        if e["route"]:
+            kind = _ROUTE_KINDS.get(e["route_kind"], "route error")
+            raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}); the entry was skipped")
+
+    def close(self) -> None:
+        """Collective: every rank's work must be done before windows are unmapped."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        self._comm.close()
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self._comm.close()
+        except Exception:
+            pass
