@@ -24,8 +24,8 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 } 2>&1 | tee "$OUT/env.log"
 
 # ---- build -----------------------------------------------------------------------------
-stamp "build: pip install --no-build-isolation --no-deps -e ." | tee "$OUT/build.log"
-if ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
+stamp "build: pip install --no-build-isolation --no-deps -e . (BUILD=${BUILD:-pip})" | tee "$OUT/build.log"
+if [ "${BUILD:-pip}" = "cuda-only" ] || ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
   stamp "pip install failed; building torch_afdep._cuda alone in place" | tee -a "$OUT/build.log"
   $PY - >>"$OUT/build.log" 2>&1 <<'PYEOF'
 import os, sys
@@ -45,6 +45,9 @@ $PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_v
 # ---- tests ---------------------------------------------------------------------------
 if [ "$MODE" = "smoke" ]; then
   K="eager_role_aware and 1A1F-128-2048 or eager_symmetric and 1A1F or timeout or graph_replays and 1A1F-bfloat16-role_aware"
+elif [ "$MODE" = "custom" ]; then
+  K="${PYTEST_K:-not sanitizer}"
+  PYTEST_K=""
 else
   K="not sanitizer"
 fi

@@ -50,19 +50,11 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 }
 
 // ---- L2-only loads of inbox data (written by peers) and warp copies ---------------------
-__device__ __forceinline__ int ld_cg_i32(const int* p) {
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
+// Plain (non-volatile) L2-only loads: the compiler may batch them; the acquire polls' "memory"
+// clobbers keep them after the wait that published the data.
+__device__ __forceinline__ int ld_cg_i32(const int* p) { return __ldcg(p); }
 
-__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
 
 // Copy nv 16-byte vectors with one warp; several loads in flight per lane.
 template <bool kSrcCg>

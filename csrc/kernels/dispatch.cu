@@ -112,27 +112,39 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
   char* mine = peer_base(L, L.rank);
-  int* s_off = smem;  // [El + 1]
+  int* s_off = smem;               // [El + 1] per-expert totals, then prefix sums
+  int* s_rc = smem + L.El + 1;     // [A * S] tokens per (source, channel)
   __shared__ int s_rows[kWarps][32];
-  // per-expert totals over every (source, channel), then exclusive prefix sums
-  for (int e = tid; e < L.El; e += blockDim.x) {
-    int s = 0;
-    for (int ai = 0; ai < L.A; ++ai) {
-      const int sr = L.rank_of_attn[ai];
-      for (int ch = 0; ch < L.S; ++ch)
-        s += ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, ch) + 16) + e);
-    }
-    s_off[e] = s;
+  const int nreg = L.A * L.S;
+  for (int e = tid; e <= L.El; e += blockDim.x) s_off[e] = 0;
+  for (int i = tid; i < nreg; i += blockDim.x)
+    s_rc[i] = blk_count(L, mine, L.rank_of_attn[i / L.S], i % L.S);
+  __syncthreads();
+  // per-expert totals over every (source, channel): independent loads, shared atomics
+  for (int i = tid; i < nreg * L.El; i += blockDim.x) {
+    const int g = i / L.El, e = i % L.El;
+    const int v = ld_cg_i32(
+        reinterpret_cast<const int*>(cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
+    if (v) atomicAdd(&s_off[e], v);
   }
   __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int e = 0; e < L.El; ++e) {
+  if (warp == 0) {  // exclusive prefix sums over El entries, one warp
+    const int per = (L.El + 31) / 32;
+    const int b0 = min(lane * per, L.El), b1 = min(b0 + per, L.El);
+    int local = 0;
+    for (int e = b0; e < b1; ++e) local += s_off[e];
+    int incl = local;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    int run = incl - local;
+    for (int e = b0; e < b1; ++e) {
       const int v = s_off[e];
       s_off[e] = run;
       run += v;
     }
-    s_off[L.El] = run;
+    if (lane == 31) s_off[L.El] = incl;
   }
   __syncthreads();
   const int rows_cap = L.A * a.bucket * L.R;
@@ -145,7 +157,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
     }
     for (int ai = tid; ai < L.A; ai += blockDim.x) {
       int tot = 0;
-      for (int ch = 0; ch < L.S; ++ch) tot += blk_count(L, mine, L.rank_of_attn[ai], ch);
+      for (int ch = 0; ch < L.S; ++ch) tot += s_rc[ai * L.S + ch];
       a.out_num_tokens[ai] = min(tot, a.bucket);
     }
   }
@@ -153,10 +165,10 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
   for (int g = c; g < L.A * L.S; g += gridDim.x) {
     const int ai = g / L.S, ch = g % L.S;
     const int sr = L.rank_of_attn[ai];
-    const int cnt = min(blk_count(L, mine, sr, ch), L.slots);
+    const int cnt = min(s_rc[g], L.slots);
     if (cnt == 0) continue;
     int s0 = 0;
-    for (int q = 0; q < ch; ++q) s0 += blk_count(L, mine, sr, q);
+    for (int q = 0; q < ch; ++q) s0 += s_rc[ai * L.S + q];
     const int src_idx = role ? ai : sr;
     for (int j = warp; j < cnt; j += kWarps) {
       const int s = s0 + j;
@@ -285,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 
 size_t dispatch_smem_bytes(const Layout& L) {
   const size_t send = (size_t)(L.F + L.E) * 4;
-  const size_t recv = (size_t)(L.El + 1) * 4;
+  const size_t recv = (size_t)(L.El + 1 + L.A * L.S) * 4;
   return send > recv ? send : recv;
 }
 

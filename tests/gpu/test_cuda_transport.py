@@ -49,7 +49,7 @@ LAYOUTS = {
 }
 
 
-def cfg_kw(layout, cap, hidden, dtype="bfloat16", timeout=30.0):
+def cfg_kw(layout, cap, hidden, dtype="bfloat16", timeout=10.0):
     F, A, _, E = LAYOUTS[layout]
     return dict(capacity_tokens_per_rank=cap, hidden_size=hidden, num_experts=E, top_k=8,
                 ffn_ranks=F, attention_ranks=A, dtype=dtype, num_sms=24, timeout_s=timeout)
