@@ -128,17 +128,22 @@ class CudaTransport:
             kind = _ROUTE_KINDS.get(e["route_kind"], "route error")
             raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}); the entry was skipped")
 
-    def close(self) -> None:
-        """Collective: every rank's work must be done before windows are unmapped."""
+    def close(self, clean: bool = True) -> None:
+        """Collective and idempotent. ``clean``: meet every peer (bounded by timeout_s) before
+        unmapping, so no rank frees memory a peer may still write; after a failure
+        (``clean=False``) free without waiting for peers (every kernel has a deadline)."""
         if self._closed:
             return
         self._closed = True
-        torch.cuda.synchronize(self.device)
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-        self._comm.close()
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            if clean and dist.is_initialized():
+                import datetime
+
+                work = dist.barrier(group=self.group, async_op=True)
+                work.wait(datetime.timedelta(seconds=float(self.config.timeout_s) + 30.0))
+            self._comm.close()
 
     def __del__(self):
         try:

@@ -355,3 +355,36 @@ def sizes_body(rank, world, cfg_kw):
                 "union_bytes": t.union_bytes, "signal_bytes": t.signal_bytes}
     finally:
         t.close()
+
+
+def buffer_body(rank, world, cfg_kw, plan, seed0):
+    """The same checks through the public Buffer API (torch_afdep.Buffer on a CUDA device)."""
+    import torch_afdep
+
+    cfg = make_config(cfg_kw)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = torch_afdep.Buffer(dist.group.WORLD, cfg, device=dev)
+    role, idx = cfg.role_of(rank), cfg.role_index(rank)
+    done = 0
+    try:
+        assert type(buf.transport).__name__ == "CudaTransport"
+        for i, (bucket, tokens, routing) in enumerate(plan):
+            inputs = [make_inputs(cfg, a, tokens[a], routing, seed0 + i)
+                      for a in range(cfg.attention_ranks)]
+            if role == FFN:
+                rec = buf.worker_receive(bucket)
+                rows = ffn_rows(cfg, idx, rec.x, rec.x_scales, rec.weights, rec.expert_offsets)
+                buf.worker_reply(rows, rec.receipt)
+                torch.cuda.synchronize()
+            else:
+                x, ids, w, sc = inputs[idx]
+                buf.source_dispatch(x.to(dev), ids.to(dev), w.to(dev), bucket,
+                                    None if sc is None else sc.to(dev))
+                out = buf.source_collect()
+                torch.cuda.synchronize()
+                route = ref.route_mask(cfg, clean_ids(cfg, ids))
+                check_attention(cfg, x, ids, w, sc, route, out)
+            done += 1
+    finally:
+        buf.close()
+    return done
