@@ -1,0 +1,579 @@
+"""What one rank of one benchmark world runs (spawned by ``benchmarks.run``).
+
+``world_main(rank, world_size, spec)`` runs every cell of one layout for one arm:
+
+- ``afdep`` / ``symmetric``: a ``torch_afdep.Buffer`` per (hidden, dtype); Attention ranks
+  capture ``source_dispatch`` + ``source_collect``, FFN ranks ``worker_receive`` + a BF16 cast
+  of the received rows (the "expert"; the identity for BF16 payloads) + ``worker_reply``.
+  The two arms differ only in the environment (``AFDEP_SYMMETRIC=1``).
+- ``nccl``: the same contract from ``all_to_all_single`` (NCCL) and torch ops
+  (``benchmarks.torch_exchange``), capacity-padded to ``bucket`` rows per pair.
+- ``nccl_bare``: one ``all_to_all_single`` each way moving T x H per pair, nothing else.
+
+Per cell: fresh inputs, eager warm-up exchanges (their output checked on Attention ranks),
+one CUDA graph per role step, warm-up replays, then timed replays, each preceded by
+``torch.cuda.synchronize()`` and a barrier on a gloo group, timed with CUDA events on
+Attention ranks. Each rank appends one JSON line per cell to ``<out_dir>/rank<r>.jsonl``
+(so results survive a world that is killed later). Ranks agree (over gloo) after each phase;
+a failure before any communication skips the cell, a later one ends the world (the
+remaining cells are recorded as not run) since the peers' state is then unknown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import stats
+from . import torch_exchange as tx
+
+AFDEP_ARMS = ("afdep", "symmetric")
+NCCL_ARMS = ("nccl", "nccl_bare")
+ALL_ARMS = AFDEP_ARMS + NCCL_ARMS
+
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def cell_key(c: Dict[str, Any]) -> str:
+    return f"H{c['hidden']}/{c['dtype']}/{c['routing']}/T{c['tokens']}"
+
+
+def cell_seed(base: int, repeat: int, index: int, a: int) -> int:
+    """Inputs of cell ``index`` in ``repeat`` at Attention index ``a``: the same in every arm
+    (paired comparisons see the same data), different across cells and repeats."""
+    return base + repeat * 1_000_003 + index * 1009 + a * 7
+
+
+# ---- inputs -------------------------------------------------------------------------------
+def make_inputs(cfg, tokens: int, routing: str, seed: int, device):
+    """(x, expert_ids int64, weights, x_scales or None, reached tokens per FFN rank, valid
+    entries per token) for one Attention rank; routing from torch_afdep.reference."""
+    from torch_afdep import reference as ref
+
+    g = torch.Generator().manual_seed(seed)
+    ids, w = ref.random_routing(cfg, tokens, routing, generator=g)
+    reach = ref.tokens_per_ffn(cfg, ids).sum(dim=0).tolist() if tokens else [0] * cfg.ffn_ranks
+    gd = torch.Generator(device=device).manual_seed(seed)
+    x32 = torch.randn(tokens, cfg.hidden_size, device=device, generator=gd)
+    if cfg.dtype == torch.float8_e4m3fn:
+        blocks = x32.view(tokens, cfg.hidden_size // 128, 128)
+        scales = (blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0).to(torch.float32)
+        x = (blocks / scales[:, :, None]).view(tokens, cfg.hidden_size).to(cfg.dtype)
+    else:
+        scales = None
+        x = x32.to(torch.bfloat16)
+    ids_d, w_d = ids.to(device), w.to(device)
+    valid = torch.zeros(tokens, dtype=torch.int64, device=device)
+    for f in range(cfg.ffn_ranks):
+        valid += (tx.local_entries(ids_d, f, cfg.experts_per_rank)
+                  < cfg.experts_per_rank).sum(dim=1)
+    return x.contiguous(), ids_d, w_d, scales, [int(r) for r in reach], valid
+
+
+def expected_output(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """With the BF16-cast "expert" and unweighted rows, out[t] = n_valid(t) * bf16(x[t])."""
+    return x.to(torch.bfloat16).to(torch.float32) * valid.to(torch.float32)[:, None]
+
+
+def check_output(out: torch.Tensor, want: torch.Tensor) -> float:
+    o = out.to(torch.float32)
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    denom = max(float(want.norm()), 1e-30)
+    return float((o - want).norm()) / denom
+
+
+# ---- per-rank context ---------------------------------------------------------------------
+class _Rank:
+    def __init__(self, rank: int, world: int, spec: Dict[str, Any]):
+        from torch_afdep.config import Config
+
+        self.rank, self.world, self.spec = rank, world, spec
+        self.arm = spec["arm"]
+        self.A, self.F = spec["attention_ranks"], spec["ffn_ranks"]
+        probe_cfg = Config(capacity_tokens_per_rank=spec["capacity"], hidden_size=128,
+                           num_experts=spec["experts"], top_k=spec["top_k"],
+                           ffn_ranks=self.F, attention_ranks=self.A)
+        self.roles = probe_cfg.role_list
+        self.role = probe_cfg.role_of(rank)
+        self.index = probe_cfg.role_index(rank)
+        self.is_attention = self.role == "attention"
+        self.att_ranks = probe_cfg.attention_group_ranks
+        self.cuda = spec.get("device", "cuda") == "cuda"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.cuda
+                       else torch.device("cpu"))
+        self.ctrl = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=spec["ctrl_timeout_s"]))
+        path = os.path.join(spec["out_dir"], f"rank{rank}.jsonl")
+        self._log = open(path, "a", buffering=1)
+        self.aborted: Optional[str] = None
+
+    def config(self, hidden: int, dtype: str):
+        from torch_afdep.config import Config
+
+        s = self.spec
+        return Config(capacity_tokens_per_rank=s["capacity"], hidden_size=hidden,
+                      num_experts=s["experts"], top_k=s["top_k"], ffn_ranks=self.F,
+                      attention_ranks=self.A, dtype=DTYPES[dtype], num_sms=s["sms"],
+                      timeout_s=float(s["kernel_timeout_s"]))
+
+    def write(self, rec: Dict[str, Any]) -> None:
+        rec.setdefault("rank", self.rank)
+        rec.setdefault("role", self.role)
+        self._log.write(json.dumps(rec) + "\n")
+        self._log.flush()
+
+    def agree(self, err: Optional[str]) -> Optional[str]:
+        """Every rank learns whether any rank failed; returns the first error (or None)."""
+        got: List[Any] = [None] * self.world
+        dist.all_gather_object(got, err, group=self.ctrl)
+        for r, e in enumerate(got):
+            if e is not None:
+                return f"rank {r}: {e}"
+        return None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def align(self, failed: int = 0) -> int:
+        """Synchronize the device, then a gloo all-reduce that is both the barrier and a
+        way to tell the peers this rank failed. Returns 1 if any rank failed."""
+        self.sync()
+        t = torch.tensor([failed], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return int(t[0])
+
+    def close(self) -> None:
+        try:
+            self._log.close()
+        except Exception:
+            pass
+
+
+def _err(e: BaseException) -> str:
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    return f"{type(e).__name__}: {e}\n" + "".join(tb[-6:])
+
+
+class _PeerFailed(RuntimeError):
+    pass
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _time_graph(rk: _Rank, graph, warmup: int, replays: int, fail_at: int = -1,
+                attention_delay_s: float = 0.0, queue_ahead_us: float = 0.0) -> List[float]:
+    """Replay ``graph`` warmup + replays times, ranks aligned before each; returns the timed
+    replays in µs on Attention ranks (empty on FFN ranks).
+
+    After each alignment Attention ranks spin ``attention_delay_s`` on the host before they
+    start timing, so the FFN ranks' graphs are already launched and waiting (the steady state
+    of serving) rather than the measurement including how late a peer left the barrier.
+    ``queue_ahead_us`` > 0 first enqueues a sleep kernel of about that long on Attention
+    ranks, so the start event and the graph are both queued before the GPU reaches them (the
+    host's graph-launch time is then not measured).
+
+    A rank that fails says so in the next alignment, so every rank leaves the loop at the
+    same replay (and the following agreement pairs up) instead of waiting for a timeout."""
+    timed = rk.is_attention and rk.cuda
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)] if timed else []
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)] if timed else []
+    wall: List[float] = []
+    for i in range(warmup + replays):
+        if rk.align():
+            raise _PeerFailed(f"a peer failed at replay {i}")
+        j = i - warmup
+        try:
+            if i == fail_at:
+                raise RuntimeError(f"injected failure (replay {i}, rank {rk.rank})")
+            if attention_delay_s and rk.is_attention and j >= 0:
+                _spin(attention_delay_s)
+            if timed and j >= 0:
+                if queue_ahead_us > 0:
+                    torch.cuda._sleep(int(queue_ahead_us * 2000))  # ~2 GHz clock
+                starts[j].record()
+            t0 = time.perf_counter()
+            graph.replay()
+            if j >= 0:
+                if timed:
+                    ends[j].record()
+                elif not rk.cuda:  # CPU smoke mode: wall clock, the numbers mean nothing
+                    wall.append((time.perf_counter() - t0) * 1e6)
+        except Exception:
+            rk.align(failed=1)
+            raise
+    rk.sync()
+    if not rk.is_attention:
+        return []
+    if not rk.cuda:
+        return wall
+    return [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends)]
+
+
+class _EagerGraph:
+    """CPU smoke mode's stand-in for a CUDA graph: replay() runs the step eagerly."""
+
+    def __init__(self, step):
+        self._step = step
+
+    def replay(self) -> None:
+        self._step()
+
+
+# ---- one cell, any arm --------------------------------------------------------------------
+class _Cell:
+    """Builds the step of one arm for one cell; subclasses fill ``setup`` and ``step``."""
+
+    def __init__(self, rk: _Rank, cfg, cell: Dict[str, Any], seed: int):
+        self.rk, self.cfg, self.cell, self.seed = rk, cfg, cell, seed
+        self.T = cell["tokens"]
+        self.bucket = self.T
+        self.out = None
+        self.extra: Dict[str, Any] = {}
+
+    def setup(self) -> None:
+        rk = self.rk
+        if rk.is_attention:
+            x, ids, w, sc, reach, valid = make_inputs(self.cfg, self.T, self.cell["routing"],
+                                                      self.seed, rk.device)
+            self.x, self.ids, self.w, self.sc = x, ids, w, sc
+            self.want = expected_output(x, valid)
+            self.extra["reach_tokens"] = reach          # tokens sent to each FFN index
+            self.extra["rows"] = int(valid.sum())        # expert rows made by this source
+
+    def step(self):  # pragma: no cover - GPU only
+        raise NotImplementedError
+
+    def check(self) -> Optional[float]:
+        if not self.rk.is_attention or self.out is None:
+            return None
+        return check_output(self.out, self.want)
+
+    def release(self) -> None:
+        for name in list(vars(self)):
+            if name not in ("rk", "cfg", "cell", "seed", "T", "bucket", "extra"):
+                setattr(self, name, None)
+
+
+class _AfdepCell(_Cell):
+    def __init__(self, rk, cfg, cell, seed, buf):
+        super().__init__(rk, cfg, cell, seed)
+        self.buf = buf
+
+    def step(self):
+        buf = self.buf
+        if self.rk.is_attention:
+            buf.source_dispatch(self.x, self.ids, self.w, self.bucket, x_scales=self.sc)
+            self.out = buf.source_collect()
+        else:
+            rec = buf.worker_receive(self.bucket)
+            rows = rec.x.to(torch.bfloat16)  # the "expert": identity for BF16, a cast for FP8
+            buf.worker_reply(rows, rec.receipt)
+
+
+class _NcclCell(_Cell):
+    """The contract from all_to_all_single + torch ops (benchmarks.torch_exchange)."""
+
+    def setup(self):
+        super().setup()
+        rk, cfg, T = self.rk, self.cfg, self.bucket
+        self.lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
+        H, A, F, W = cfg.hidden_size, cfg.attention_ranks, cfg.ffn_ranks, rk.world
+        dev = rk.device
+        self.zero = [0] * W
+        self.to_ffn = tx.splits(rk.roles, "ffn", T)
+        self.to_att = tx.splits(rk.roles, "attention", T)
+        if rk.is_attention:
+            self.send = tx.new_send_buffer(self.lay, F, T, dev)
+            self.recv_d = torch.empty(0, self.lay.row_bytes, dtype=torch.uint8, device=dev)
+            self.send_c = torch.empty(0, H, dtype=torch.bfloat16, device=dev)
+            self.recv_c = torch.empty(F * T, H, dtype=torch.bfloat16, device=dev)
+        else:
+            self.recv = torch.empty(A * T, self.lay.row_bytes, dtype=torch.uint8, device=dev)
+            self.send_d = torch.empty(0, self.lay.row_bytes, dtype=torch.uint8, device=dev)
+            self.recv_c0 = torch.empty(0, H, dtype=torch.bfloat16, device=dev)
+            self.sources = torch.tensor(rk.att_ranks, dtype=torch.int32, device=dev)
+        self.extra["row_bytes"] = self.lay.row_bytes
+
+    def step(self):
+        rk, cfg, T = self.rk, self.cfg, self.bucket
+        if rk.is_attention:
+            tx.pack_dispatch(self.send, self.lay, self.x, self.ids, self.w, self.sc)
+            dist.all_to_all_single(self.recv_d, self.send.view(-1, self.lay.row_bytes),
+                                   self.zero, self.to_ffn)
+            dist.all_to_all_single(self.recv_c, self.send_c, self.to_ffn, self.zero)
+            self.out = tx.collect(self.recv_c.view(cfg.ffn_ranks, T, cfg.hidden_size), T)
+        else:
+            dist.all_to_all_single(self.recv, self.send_d, self.to_att, self.zero)
+            got = tx.unpack(self.recv, self.lay)
+            ex = tx.expand(got, rk.index, cfg.experts_per_rank, cfg.rows_per_token, T,
+                           self.sources)
+            rows = ex.x.to(torch.bfloat16)  # the same "expert" as the afdep arms
+            reply = tx.reduce_rows(rows, ex.row_token, cfg.attention_ranks * T)
+            dist.all_to_all_single(self.recv_c0, reply, self.zero, self.to_att)
+
+
+class _BareCell(_Cell):
+    """One all_to_all_single each way: T x H payload per (Attention, FFN) pair in dispatch,
+    T x H BF16 back; no packing, no permutation, no reduction."""
+
+    def setup(self):
+        rk, cfg, T = self.rk, self.cfg, self.bucket
+        H, A, F, W = cfg.hidden_size, cfg.attention_ranks, cfg.ffn_ranks, rk.world
+        dev = rk.device
+        db = H * (1 if cfg.dtype == torch.float8_e4m3fn else 2)
+        cb = 2 * H
+        self.zero = [0] * W
+        self.to_ffn = tx.splits(rk.roles, "ffn", T)
+        self.to_att = tx.splits(rk.roles, "attention", T)
+        u8 = torch.uint8
+        if rk.is_attention:
+            g = torch.Generator(device=dev).manual_seed(self.seed)
+            self.send_d = torch.randint(0, 120, (F * T, db), dtype=u8, device=dev, generator=g)
+            self.recv_d = torch.empty(0, db, dtype=u8, device=dev)
+            self.send_c = torch.empty(0, cb, dtype=u8, device=dev)
+            self.recv_c = torch.empty(F * T, cb, dtype=u8, device=dev)
+            self.extra["reach_tokens"] = [T] * F
+        else:
+            self.recv_d = torch.empty(A * T, db, dtype=u8, device=dev)
+            self.send_d = torch.empty(0, db, dtype=u8, device=dev)
+            self.send_c = torch.zeros(A * T, cb, dtype=u8, device=dev)
+            self.recv_c = torch.empty(0, cb, dtype=u8, device=dev)
+
+    def step(self):
+        rk = self.rk
+        if rk.is_attention:
+            dist.all_to_all_single(self.recv_d, self.send_d, self.zero, self.to_ffn)
+            dist.all_to_all_single(self.recv_c, self.send_c, self.to_ffn, self.zero)
+        else:
+            dist.all_to_all_single(self.recv_d, self.send_d, self.to_att, self.zero)
+            dist.all_to_all_single(self.recv_c, self.send_c, self.zero, self.to_att)
+
+
+def _inject(spec: Dict[str, Any], rk: _Rank, index: int, phase: str) -> None:
+    """Test hook: raise where spec['inject'] names (arm, cell index, rank, phase)."""
+    for inj in spec.get("inject") or ():
+        if (inj.get("arm") in (None, rk.arm) and inj.get("index") == index
+                and inj.get("rank") == rk.rank and inj.get("phase") == phase):
+            raise RuntimeError(f"injected failure ({rk.arm}, cell {index}, rank {rk.rank}, "
+                               f"{phase})")
+
+
+def _run_cell(rk: _Rank, cell_obj: _Cell, spec: Dict[str, Any], rec: Dict[str, Any],
+              index: int = -1) -> bool:
+    """Run one cell through its phases; fills ``rec``. Returns False when the world must
+    stop (a failure after communication began)."""
+    phase = "setup"
+    graph = None
+    try:
+        err = None
+        try:
+            _inject(spec, rk, index, "setup")
+            cell_obj.setup()
+        except Exception as e:  # noqa: BLE001
+            err = _err(e)
+        err = rk.agree(err)
+        if err is not None:
+            rec.update(status="failed", phase=phase, error=err)
+            return True  # nothing was exchanged: the next cell can run
+
+        phase = "eager"
+        err = None
+        try:
+            _inject(spec, rk, index, "eager")
+            for _ in range(spec["eager_steps"]):
+                cell_obj.step()
+            rk.sync()
+            rel = cell_obj.check()
+            if rel is not None:
+                rec["eager_rel_err"] = rel
+            phase = "capture"
+            if rk.cuda:
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: NCCL's watchdog thread may query events while we capture.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    cell_obj.step()
+                torch.cuda.synchronize()
+            else:
+                graph = _EagerGraph(cell_obj.step)
+        except Exception as e:  # noqa: BLE001
+            err = _err(e)
+        err = rk.agree(err)
+        if err is not None:
+            rec.update(status="failed", phase=phase, error=err)
+            return False
+
+        phase = "replay"
+        err = None
+        samples: List[float] = []
+        try:
+            fail_at = -1
+            try:
+                _inject(spec, rk, index, "replay")
+            except RuntimeError:
+                fail_at = spec["warmup"] + spec["replays"] // 2
+            t0 = time.perf_counter()
+            samples = _time_graph(rk, graph, spec["warmup"], spec["replays"], fail_at,
+                                  spec.get("attention_delay_us", 0.0) * 1e-6,
+                                  spec.get("queue_ahead_us", 0.0))
+            rec["replay_wall_s"] = time.perf_counter() - t0
+            rel = cell_obj.check()
+            if rel is not None:
+                rec["graph_rel_err"] = rel
+            afdep_buf = getattr(cell_obj, "buf", None)
+            if afdep_buf is not None:
+                afdep_buf.transport.check_error()
+        except Exception as e:  # noqa: BLE001
+            err = _err(e)
+        err = rk.agree(err)
+        if err is not None:
+            rec.update(status="failed", phase=phase, error=err)
+            return False
+        rec["status"] = "ok"
+        if rk.is_attention:
+            rec.update(stats.summarize_samples(samples))
+            bad = [k for k in ("eager_rel_err", "graph_rel_err")
+                   if rec.get(k) is not None and not rec[k] < spec["check_tol"]]
+            if bad:
+                rec["status"] = "wrong"
+                rec["error"] = (f"output differs from the expected sum of expert rows "
+                                f"({', '.join(f'{k}={rec[k]:.3g}' for k in bad)})")
+        return True
+    finally:
+        rec.update(cell_obj.extra)
+        cell_obj.release()
+        del graph  # frees the graph's memory pool; gc runs once per (hidden, dtype) group
+        rk.sync()
+
+
+def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
+    import torch_afdep
+
+    for (hidden, dtype), cells in groups:
+        cfg = rk.config(hidden, dtype)
+        info: Dict[str, Any] = {}
+        buf = None
+        err = None
+        try:
+            buf = torch_afdep.Buffer(None, cfg, device=rk.device)
+            t = buf.transport
+            info = {"registered_bytes": getattr(t, "registered_bytes", None),
+                    "union_bytes": getattr(t, "union_bytes", None),
+                    "flags": getattr(t, "flags", None)}
+        except Exception as e:  # noqa: BLE001
+            err = _err(e)
+        err = rk.agree(err)
+        if err is not None:
+            for idx, cell in cells:
+                emit(idx, cell, {"status": "failed", "phase": "buffer", "error": err})
+            if buf is not None:
+                _close_quietly(buf)
+            continue
+        try:
+            for idx, cell in cells:
+                if rk.aborted:
+                    emit(idx, cell, {"status": "not_run", "error": rk.aborted})
+                    continue
+                rec = dict(info)
+                seed = cell_seed(spec["seed"], spec["repeat"], idx,
+                                 rk.index if rk.is_attention else 0)
+                c = _AfdepCell(rk, cfg, cell, seed, buf)
+                go_on = _run_cell(rk, c, spec, rec, idx)
+                emit(idx, cell, rec)
+                if not go_on:
+                    rk.aborted = f"world stopped after cell {cell_key(cell)} failed"
+        finally:
+            gc.collect()
+            if not rk.aborted:
+                buf.close()  # collective; after an abort the peers' state is unknown, so
+                #              the buffer is left to process exit
+
+
+def _close_quietly(buf) -> None:
+    try:
+        buf.close()
+    except Exception:
+        pass
+
+
+def _nccl_cells(rk: _Rank, spec, groups, emit) -> None:
+    kind = _NcclCell if spec["arm"] == "nccl" else _BareCell
+    for (hidden, dtype), cells in groups:
+        cfg = rk.config(hidden, dtype)
+        for idx, cell in cells:
+            if rk.aborted:
+                emit(idx, cell, {"status": "not_run", "error": rk.aborted})
+                continue
+            seed = cell_seed(spec["seed"], spec["repeat"], idx,
+                             rk.index if rk.is_attention else 0)
+            rec: Dict[str, Any] = {}
+            go_on = _run_cell(rk, kind(rk, cfg, cell, seed), spec, rec, idx)
+            emit(idx, cell, rec)
+            if not go_on:
+                rk.aborted = f"world stopped after cell {cell_key(cell)} failed"
+        gc.collect()
+
+
+def group_cells(cells: List[Dict[str, Any]]):
+    """[((hidden, dtype), [(index, cell), ...]), ...] in first-seen order."""
+    groups: Dict[Any, List] = {}
+    for i, c in enumerate(cells):
+        groups.setdefault((c["hidden"], c["dtype"]), []).append((i, c))
+    return list(groups.items())
+
+
+def world_main(rank: int, world_size: int, spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Body of one spawned rank: every cell of ``spec['cells']`` for ``spec['arm']``."""
+    t_start = time.perf_counter()
+    rk = _Rank(rank, world_size, spec)
+    meta = {"kind": "meta", "arm": rk.arm, "repeat": spec["repeat"], "pid": os.getpid(),
+            "device": str(rk.device),
+            "gpu": torch.cuda.get_device_name(rk.device) if rk.cuda else None,
+            "env": {k: v for k, v in os.environ.items()
+                    if k.startswith(("AFDEP_", "NCCL_", "TORCH_NCCL"))}}
+    try:
+        from torch_afdep import controls
+
+        meta["afdep_flags_env"] = controls.current()
+    except Exception:  # controls.py may not exist yet
+        meta["afdep_flags_env"] = None
+    rk.write(meta)
+
+    def emit(idx, cell, rec):
+        out = {"kind": "cell", "index": idx, "key": cell_key(cell)}
+        out.update(rec)
+        rk.write(out)
+
+    try:
+        groups = group_cells(spec["cells"])
+        if spec["arm"] in AFDEP_ARMS:
+            _afdep_cells(rk, spec, groups, emit)
+        else:
+            _nccl_cells(rk, spec, groups, emit)
+    finally:
+        # CUDA graphs holding NCCL kernels must be gone before the communicator is
+        # destroyed (spawn_world destroys the group after this returns).
+        gc.collect()
+        rk.sync()
+        if not rk.aborted:
+            try:
+                dist.barrier(group=rk.ctrl)
+            except Exception:
+                pass
+        rk.write({"kind": "end", "wall_s": time.perf_counter() - t_start,
+                  "aborted": rk.aborted})
+        rk.close()
+    return {"rank": rank, "aborted": rk.aborted}

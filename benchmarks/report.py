@@ -1,0 +1,503 @@
+"""Aggregation of the per-rank records into result rows, and the JSON / Markdown / PNG writers.
+
+Record layout (what ``benchmarks.run`` collects): ``raw`` is a list of world entries
+
+    {"arm", "layout", "repeat", "status": "ran" | "skipped" | "failed", "error",
+     "ranks": {group rank: {"meta": {...}, "cells": {cell index: record}}}}
+
+and ``plan`` names the layouts (with the GPU of every group rank) and the cells.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import stats
+
+SCHEMA = "torch_afdep.benchmarks/1"
+ARM_LABELS = {"afdep": "afdep", "symmetric": "symmetric (AFDEP_SYMMETRIC=1)",
+              "nccl": "nccl (all_to_all_single + torch ops)",
+              "nccl_bare": "nccl_bare (bare all_to_all_single, reference)"}
+COMPARISONS = (("afdep", "symmetric"), ("afdep", "nccl"))
+
+
+# ---- layouts ------------------------------------------------------------------------------
+def layout_ranks(attention: int, ffn: int) -> Tuple[Tuple[str, ...], List[int]]:
+    """Default roles (FFN ranks first) and group ranks of (A, F)."""
+    roles = ("ffn",) * ffn + ("attention",) * attention
+    return roles, list(range(attention + ffn))
+
+
+def gpu_of_ranks(world: int, gpus: int) -> List[int]:
+    """Round-robin: group rank r on GPU r % gpus."""
+    return [r % max(gpus, 1) for r in range(world)]
+
+
+# ---- bytes and floors ---------------------------------------------------------------------
+def dispatch_row_bytes(hidden: int, dtype: str) -> int:
+    """Payload bytes of one dispatched token row (FP8 adds its float32 scales)."""
+    if dtype == "fp8":
+        return hidden + 4 * (hidden // 128)
+    return 2 * hidden
+
+
+def link_bytes(reach: Dict[int, Sequence[int]], attention_ranks: Sequence[int],
+               ffn_ranks: Sequence[int], gpu_of: Sequence[int], row_dispatch: int,
+               row_combine: int) -> Tuple[int, int]:
+    """(bytes on the busiest GPU->GPU link in dispatch, same in combine).
+
+    reach[a] = tokens Attention index a sends to each FFN index; pairs on the same GPU do
+    not cross a link and are left out."""
+    disp: Dict[Tuple[int, int], int] = {}
+    comb: Dict[Tuple[int, int], int] = {}
+    for a, ra in enumerate(attention_ranks):
+        tokens = reach.get(a)
+        if tokens is None:
+            continue
+        for f, rf in enumerate(ffn_ranks):
+            ga, gf = gpu_of[ra], gpu_of[rf]
+            if ga == gf or f >= len(tokens):
+                continue
+            disp[(ga, gf)] = disp.get((ga, gf), 0) + int(tokens[f]) * row_dispatch
+            comb[(gf, ga)] = comb.get((gf, ga), 0) + int(tokens[f]) * row_combine
+    return max(disp.values(), default=0), max(comb.values(), default=0)
+
+
+def floor_us(dispatch_bytes: int, combine_bytes: int, ceiling_gbps: Optional[float]
+             ) -> Optional[float]:
+    """Time to move the busiest link's bytes each way at the peer-copy ceiling (no latency
+    term: the flag round trip is not measured)."""
+    if not ceiling_gbps or (dispatch_bytes + combine_bytes) == 0:
+        return None
+    return (dispatch_bytes + combine_bytes) / (ceiling_gbps * 1e9) * 1e6
+
+
+def achieved_gbps(dispatch_bytes: int, combine_bytes: int, latency_us: Optional[float]
+                  ) -> Optional[float]:
+    if not latency_us or (dispatch_bytes + combine_bytes) == 0:
+        return None
+    return (dispatch_bytes + combine_bytes) / (latency_us * 1e-6) / 1e9
+
+
+# ---- aggregation --------------------------------------------------------------------------
+def _short(err: Optional[str], n: int = 400) -> Optional[str]:
+    if err is None:
+        return None
+    err = str(err)
+    return err if len(err) <= n else err[:n] + " ..."
+
+
+def repeat_latency(world: Dict[str, Any], index: int, attention_ranks: Sequence[int],
+                   all_ranks: Sequence[int]) -> Tuple[Optional[float], str, Optional[str],
+                                                       Dict[int, Optional[float]]]:
+    """(latency of this repeat = max over Attention ranks of their medians, status, error,
+    per-rank medians) for cell ``index`` of one world."""
+    if world.get("status") == "skipped":
+        return None, "skipped", world.get("error"), {}
+    ranks = world.get("ranks", {})
+    per_rank: Dict[int, Optional[float]] = {}
+    status, error = "ok", None
+    for r in all_ranks:
+        rec = ranks.get(r, {}).get("cells", {}).get(index)
+        if rec is None:
+            status = "failed"
+            error = error or world.get("error") or f"rank {r} left no record for this cell"
+            continue
+        st = rec.get("status", "failed")
+        if st != "ok" and status == "ok":
+            status, error = st, rec.get("error")
+        if r in attention_ranks:
+            per_rank[r] = rec.get("median_us")
+    if status != "ok":
+        return None, status, error, per_rank
+    lat = stats.max_over_ranks(per_rank)
+    if lat is None:
+        return None, "failed", "no timing from an Attention rank", per_rank
+    return lat, "ok", None, per_rank
+
+
+def _world(raw, arm, layout, repeat):
+    for w in raw:
+        if w["arm"] == arm and w["layout"] == layout and w["repeat"] == repeat:
+            return w
+    return None
+
+
+def _cell_records(world, index, ranks):
+    if not world:
+        return {}
+    return {r: world.get("ranks", {}).get(r, {}).get("cells", {}).get(index) for r in ranks}
+
+
+def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
+              ceiling_gbps: Optional[float]) -> Tuple[List[Dict], List[Dict]]:
+    """(results rows, comparison rows)."""
+    rows: List[Dict[str, Any]] = []
+    comps: List[Dict[str, Any]] = []
+    repeats = plan["repeats"]
+    for lay in plan["layouts"]:
+        name, A, F = lay["name"], lay["attention"], lay["ffn"]
+        roles, ranks = layout_ranks(A, F)
+        att = [r for r in ranks if roles[r] == "attention"]
+        ffn = [r for r in ranks if roles[r] == "ffn"]
+        gpu_of = lay["gpus"]
+        for index, cell in enumerate(plan["cells"]):
+            by_arm: Dict[str, Dict[str, Any]] = {}
+            for arm in plan["arms"]:
+                lats, sts, errs = [], [], []
+                per_rank_all = []
+                extra: Dict[str, Any] = {}
+                for rep in range(repeats):
+                    w = _world(raw, arm, name, rep)
+                    if w is None:
+                        lats.append(None)
+                        sts.append("not_run")
+                        errs.append("not run")
+                        per_rank_all.append({})
+                        continue
+                    lat, st, err, pr = repeat_latency(w, index, att, ranks)
+                    lats.append(lat)
+                    sts.append(st)
+                    if err:
+                        errs.append(_short(err))
+                    per_rank_all.append({str(k): v for k, v in pr.items()})
+                    recs = _cell_records(w, index, ranks)
+                    _collect_extra(extra, recs, roles, rep)
+                ok = [x for x in lats if x is not None]
+                status = "ok" if len(ok) == repeats else ("partial" if ok else
+                                                          next((s for s in sts if s != "ok"),
+                                                               "failed"))
+                row = {
+                    "arm": arm, "layout": name, "attention_ranks": A, "ffn_ranks": F,
+                    "hidden": cell["hidden"], "dtype": cell["dtype"],
+                    "routing": cell["routing"], "tokens": cell["tokens"],
+                    "bucket": cell["tokens"], "experts": plan["experts"],
+                    "top_k": plan["top_k"], "capacity": plan["capacity"],
+                    "latency_us": stats.median(ok),
+                    "repeats_us": lats,
+                    "repeat_status": sts,
+                    "per_rank_median_us": per_rank_all,
+                    "status": status,
+                    "errors": sorted(set(e for e in errs if e)),
+                    "sms": plan["sms"] if arm in ("afdep", "symmetric") else None,
+                }
+                reach = extra.pop("reach", {})
+                if arm == "nccl_bare":
+                    d_row = dispatch_row_bytes(cell["hidden"], cell["dtype"])
+                    d_row -= 4 * (cell["hidden"] // 128) if cell["dtype"] == "fp8" else 0
+                else:
+                    d_row = dispatch_row_bytes(cell["hidden"], cell["dtype"])
+                if reach:
+                    db, cb = link_bytes(reach, att, ffn, gpu_of, d_row, 2 * cell["hidden"])
+                    row["link_bytes_dispatch"] = db
+                    row["link_bytes_combine"] = cb
+                    row["floor_us"] = floor_us(db, cb, ceiling_gbps)
+                    row["achieved_GBps"] = achieved_gbps(db, cb, row["latency_us"])
+                row.update(extra)
+                rows.append(row)
+                by_arm[arm] = row
+            for a_arm, b_arm in COMPARISONS:
+                if a_arm in by_arm and b_arm in by_arm:
+                    a, b = by_arm[a_arm]["repeats_us"], by_arm[b_arm]["repeats_us"]
+                    pct = stats.paired_change_pct(a, b)
+                    comp = {"layout": name, "hidden": cell["hidden"], "dtype": cell["dtype"],
+                            "routing": cell["routing"], "tokens": cell["tokens"],
+                            "arm": a_arm, "baseline": b_arm, "change_pct": pct,
+                            "wins": stats.wins(a, b),
+                            "pairs": len(stats.paired_ratios(a, b))}
+                    comps.append(comp)
+                    by_arm[a_arm][f"vs_{b_arm}_pct"] = pct
+    return rows, comps
+
+
+def _collect_extra(extra: Dict[str, Any], recs: Dict[int, Optional[Dict]], roles, rep: int):
+    """Registered bytes per role, control flags, correctness errors and reach (first repeat
+    that has them)."""
+    reach = extra.setdefault("reach", {})
+    a_idx = {r: i for i, r in enumerate([r for r, ro in enumerate(roles) if ro == "attention"])}
+    for r, rec in recs.items():
+        if not rec:
+            continue
+        role = roles[r]
+        if rec.get("registered_bytes") is not None:
+            extra.setdefault("registered_bytes", {}).setdefault(role, rec["registered_bytes"])
+        if rec.get("union_bytes") is not None:
+            extra.setdefault("union_bytes", rec["union_bytes"])
+        if rec.get("flags") is not None:
+            extra.setdefault("afdep_flags", rec["flags"])
+        for k in ("eager_rel_err", "graph_rel_err"):
+            if rec.get(k) is not None:
+                extra[f"max_{k}"] = max(extra.get(f"max_{k}", 0.0), rec[k])
+        if role == "attention" and rec.get("reach_tokens") is not None and r in a_idx:
+            if a_idx[r] not in reach:
+                reach[a_idx[r]] = rec["reach_tokens"]
+
+
+def registered_summary(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Registered bytes per role against the union layout, per (arm, layout, hidden, dtype)."""
+    seen = {}
+    for r in rows:
+        if r["arm"] not in ("afdep", "symmetric") or "registered_bytes" not in r:
+            continue
+        key = (r["arm"], r["layout"], r["hidden"], r["dtype"])
+        if key in seen:
+            continue
+        u = r.get("union_bytes")
+        ent = {"arm": r["arm"], "layout": r["layout"], "hidden": r["hidden"],
+               "dtype": r["dtype"], "capacity": r["capacity"], "union_bytes": u,
+               "flags": r.get("afdep_flags")}
+        for role, b in r["registered_bytes"].items():
+            ent[f"{role}_bytes"] = b
+            ent[f"{role}_vs_union"] = (b / u) if (u and b is not None) else None
+        seen[key] = ent
+    return list(seen.values())
+
+
+# ---- writers ------------------------------------------------------------------------------
+def write_json(path: str, doc: Dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def _fmt_us(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.1f}"
+
+
+def _fmt_pct(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    s = f"{v:+.1f}%"
+    return s.replace("-", "−")
+
+
+def _fmt_bytes(b: Optional[int]) -> str:
+    if b is None:
+        return "—"
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def groups_of(rows: List[Dict[str, Any]]):
+    """[(layout, hidden, dtype, routing), ...] in order of first appearance."""
+    out = []
+    for r in rows:
+        k = (r["layout"], r["hidden"], r["dtype"], r["routing"])
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def markdown(doc: Dict[str, Any]) -> str:
+    rows, comps = doc["results"], doc.get("comparisons", [])
+    m = doc.get("machine", {})
+    probe = doc.get("probe") or {}
+    lines = [f"# torch_afdep: AFD round trip, {m.get('name', '?')}", ""]
+    lines.append(f"- commit `{doc.get('commit')}`, {doc.get('started')}; driver "
+                 f"{m.get('driver')}; torch {doc.get('env', {}).get('torch')}, CUDA "
+                 f"{doc.get('env', {}).get('cuda')}, NCCL {doc.get('env', {}).get('nccl')}")
+    a = doc.get("args", {})
+    lines.append(f"- E{a.get('experts')} / top-{a.get('top_k')}, capacity "
+                 f"{a.get('capacity')}, bucket = T, {a.get('sms')} transport SMs (afdep arms; "
+                 f"the NCCL arms use NCCL's own channel choice); {a.get('repeats')} repeats, "
+                 f"{a.get('replays')} timed replays each after {a.get('warmup')} warm-up "
+                 f"replays; Attention ranks wait {a.get('attention_delay_us', 0):g} µs after "
+                 f"each alignment before timing"
+                 + (f", queue-ahead {a.get('queue_ahead_us'):g} µs" if a.get("queue_ahead_us")
+                    else ""))
+    lines.append("- Communication only: one dispatch + combine round trip under CUDA graphs, "
+                 "µs, lower is better; per repeat the MAX over Attention ranks of each rank's "
+                 "median replay; latency = median over repeats (one fresh process group per "
+                 "arm per repeat, arms interleaved); % = geometric mean of per-repeat paired "
+                 "ratios, (wins/pairs) in parentheses.")
+    ceil = probe.get("peer_copy_ceiling_GBps")
+    pc = probe.get("peer_copy_GBps") or {}
+    if pc:
+        lines.append("- Peer-copy ceiling (cudaMemcpy D2D, "
+                     f"{_fmt_bytes(probe.get('peer_copy_bytes'))}): "
+                     + ", ".join(f"{k}: {v:,.1f} GB/s" for k, v in pc.items())
+                     + f"; floor = busiest link's bytes each way / {ceil:,.1f} GB/s, "
+                     "no flag round-trip term (not measured from Python).")
+    else:
+        lines.append("- Peer-copy ceiling: not measured (fewer than 2 GPUs), so no floor.")
+    lines.append("")
+    reg = registered_summary(rows)
+    if reg:
+        lines += ["## Registered buffer bytes per role", "",
+                  "| arm | layout | hidden | dtype | FFN rank | Attention rank | union | "
+                  "FFN / union | Attention / union |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in reg:
+            lines.append(
+                f"| {e['arm']} | {e['layout']} | {e['hidden']} | {e['dtype']} | "
+                f"{_fmt_bytes(e.get('ffn_bytes'))} | {_fmt_bytes(e.get('attention_bytes'))} | "
+                f"{_fmt_bytes(e.get('union_bytes'))} | {_fmt_ratio(e.get('ffn_vs_union'))} | "
+                f"{_fmt_ratio(e.get('attention_vs_union'))} |")
+        lines.append("")
+    arms = [x for x in doc.get("args", {}).get("arms", []) if any(r["arm"] == x for r in rows)]
+    for (layout, hidden, dtype, routing) in groups_of(rows):
+        sub = [r for r in rows if (r["layout"], r["hidden"], r["dtype"], r["routing"]) ==
+               (layout, hidden, dtype, routing)]
+        ts = sorted({r["tokens"] for r in sub})
+        lines += [f"## {layout}, hidden {hidden:,}, {dtype.upper()}, {routing} routing", ""]
+        lines.append("| | " + " | ".join(f"T={t:,}" for t in ts) + " |")
+        lines.append("|---|" + "---|" * len(ts))
+        get = {(r["arm"], r["tokens"]): r for r in sub}
+        for arm in arms:
+            cells = []
+            for t in ts:
+                r = get.get((arm, t))
+                if r is None:
+                    cells.append("—")
+                elif r["latency_us"] is None:
+                    cells.append(r["status"])
+                else:
+                    s = _fmt_us(r["latency_us"])
+                    cells.append(s + ("*" if r["status"] != "ok" else ""))
+            lines.append(f"| {arm}, µs | " + " | ".join(cells) + " |")
+        for a_arm, b_arm in COMPARISONS:
+            if a_arm not in arms or b_arm not in arms:
+                continue
+            cells = []
+            for t in ts:
+                c = next((c for c in comps if c["layout"] == layout and c["hidden"] == hidden
+                          and c["dtype"] == dtype and c["routing"] == routing
+                          and c["tokens"] == t and c["arm"] == a_arm
+                          and c["baseline"] == b_arm), None)
+                cells.append("—" if c is None or c["change_pct"] is None else
+                             f"{_fmt_pct(c['change_pct'])} ({c['wins']})")
+            lines.append(f"| {a_arm} vs {b_arm} | " + " | ".join(cells) + " |")
+        ref = get_any(get, ts, ("afdep", "symmetric", "nccl"))
+        if any(ref.get(t, {}).get("floor_us") is not None for t in ts):
+            lines.append("| data floor at ceiling, µs | " + " | ".join(
+                _fmt_us(ref.get(t, {}).get("floor_us")) for t in ts) + " |")
+            for arm in ("afdep", "nccl"):
+                if arm in arms:
+                    lines.append(f"| {arm} achieved GB/s | " + " | ".join(
+                        _fmt_gbps(get.get((arm, t), {}).get("achieved_GBps")) for t in ts)
+                        + " |")
+        lines.append("")
+        bad = [r for r in sub if r["status"] != "ok"]
+        for r in bad:
+            err = "; ".join(r["errors"])[:300] if r["errors"] else ""
+            lines.append(f"- {r['arm']} T={r['tokens']}: {r['status']} "
+                         f"({', '.join(r['repeat_status'])}) {err}".rstrip())
+        if bad:
+            lines.append("")
+    notes = doc.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def get_any(get, ts, arms):
+    """Per T, the row of the first arm in ``arms`` that has a floor."""
+    out = {}
+    for t in ts:
+        for arm in arms:
+            r = get.get((arm, t))
+            if r is not None and r.get("floor_us") is not None:
+                out[t] = r
+                break
+    return out
+
+
+def _fmt_ratio(v: Optional[float]) -> str:
+    return "—" if v is None else f"{100 * v:.0f}%"
+
+
+def _fmt_gbps(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:,.0f}"
+
+
+def write_markdown(path: str, doc: Dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(markdown(doc))
+        f.write("\n")
+
+
+def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
+    """Latency vs T per arm (log-log) with a ratio panel, one pair of axes per
+    (layout, hidden, dtype, routing). Returns None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.gridspec import GridSpec
+    except Exception as e:  # noqa: BLE001
+        return f"matplotlib unavailable ({type(e).__name__}: {e}); no plot"
+    rows = doc["results"]
+    groups = groups_of(rows)
+    if not groups:
+        return "no results to plot"
+    arms = [x for x in doc.get("args", {}).get("arms", []) if any(r["arm"] == x for r in rows)]
+    ncol = min(3, len(groups))
+    nrow = math.ceil(len(groups) / ncol)
+    fig = plt.figure(figsize=(5.2 * ncol, 5.0 * nrow))
+    gs = GridSpec(2 * nrow, ncol, figure=fig, height_ratios=[3, 1.3] * nrow, hspace=0.08)
+    styles = {"afdep": ("C0", "o"), "symmetric": ("C1", "s"), "nccl": ("C2", "^"),
+              "nccl_bare": ("C7", "v")}
+    for i, (layout, hidden, dtype, routing) in enumerate(groups):
+        rr, cc = divmod(i, ncol)
+        ax = fig.add_subplot(gs[2 * rr, cc])
+        axr = fig.add_subplot(gs[2 * rr + 1, cc], sharex=ax)
+        sub = [r for r in rows if (r["layout"], r["hidden"], r["dtype"], r["routing"]) ==
+               (layout, hidden, dtype, routing)]
+        by = {}
+        for arm in arms:
+            pts = sorted((r["tokens"], r["latency_us"]) for r in sub
+                         if r["arm"] == arm and r["latency_us"] is not None)
+            if pts:
+                color, mk = styles.get(arm, (None, "x"))
+                ls = "--" if arm == "nccl_bare" else "-"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker=mk, color=color,
+                        label=arm, ms=4)
+                by[arm] = dict(pts)
+        fl = sorted((r["tokens"], r["floor_us"]) for r in sub
+                    if r["arm"] == "afdep" and r.get("floor_us"))
+        if fl:
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], ":", color="k", label="data floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{layout} H{hidden} {dtype} {routing}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.tick_params(labelbottom=False)
+        if cc == 0:
+            ax.set_ylabel("round trip, µs")
+        if i == 0:
+            ax.legend(fontsize=7)
+        if "afdep" in by:
+            for base in ("symmetric", "nccl"):
+                if base in by:
+                    ts = sorted(set(by["afdep"]) & set(by[base]))
+                    if ts:
+                        color, mk = styles[base]
+                        axr.plot(ts, [by["afdep"][t] / by[base][t] for t in ts], "-",
+                                 marker=mk, color=color, ms=3, label=f"afdep / {base}")
+            axr.axhline(1.0, color="k", lw=0.7)
+            axr.set_xscale("log")
+            axr.grid(True, which="both", alpha=0.3)
+            if cc == 0:
+                axr.set_ylabel("ratio")
+            if i == 0:
+                axr.legend(fontsize=6)
+        axr.set_xlabel("tokens per Attention rank (T)")
+    m = doc.get("machine", {})
+    fig.suptitle(f"torch_afdep AFD round trip, {m.get('name', '')}, {doc.get('commit', '')}",
+                 fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return None

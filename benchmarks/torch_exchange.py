@@ -1,0 +1,212 @@
+"""The AFD exchange written with plain torch ops around two all_to_all_single calls.
+
+This is what the ``nccl`` arm runs: the same contract as ``torch_afdep`` (docs/contract.md),
+built the way a user would build it from ``torch.distributed`` and ordinary tensor ops, so
+that every step is graph-capturable (static shapes, no host sync):
+
+- dispatch: each Attention rank packs every token once per FFN rank into a fixed byte row
+  (payload, FP8 scales, expert ids, routing weights) and sends ``bucket`` rows to every FFN
+  rank (capacity-padded splits; a padding row has every id -1 and so reaches no expert);
+- the FFN rank drops ids it does not own (and repeated ids, first occurrence wins), and
+  expands the tokens into one row per (token, local expert), expert-major, with
+  ``expert_offsets`` prefix sums, weights, source rank and source token per row;
+- combine: the FFN rank sums each token's rows in fp32 and sends one BF16 row per token
+  back; the Attention rank sums the rows of its FFN ranks in fp32 and returns BF16.
+
+The helpers here are device-agnostic functions of tensors (tests check them on the CPU
+against ``torch_afdep.reference``); the communication itself lives in ``benchmarks.arms``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+FP8_BLOCK = 128
+_ALIGN = 16
+
+
+class RowLayout(NamedTuple):
+    """Byte layout of one dispatched token row (all offsets multiples of 4)."""
+
+    hidden: int
+    elem: int          # payload bytes per element (2 for BF16, 1 for FP8)
+    scale_cols: int    # float32 scales per row (H/128 for FP8, else 0)
+    top_k: int
+    x_off: int
+    scale_off: int
+    ids_off: int
+    w_off: int
+    row_bytes: int
+
+
+def row_layout(hidden: int, dtype: torch.dtype, top_k: int) -> RowLayout:
+    """The packed row for ``hidden`` elements of ``dtype`` and ``top_k`` ids and weights."""
+    if dtype == torch.float8_e4m3fn:
+        elem, scale_cols = 1, hidden // FP8_BLOCK
+    elif dtype == torch.bfloat16:
+        elem, scale_cols = 2, 0
+    else:
+        raise TypeError(f"payload dtype must be bfloat16 or float8_e4m3fn, got {dtype}")
+    x_off = 0
+    scale_off = _round_up(hidden * elem, 4)
+    ids_off = scale_off + 4 * scale_cols
+    w_off = ids_off + 4 * top_k
+    row_bytes = _round_up(w_off + 4 * top_k, _ALIGN)
+    return RowLayout(hidden, elem, scale_cols, top_k, x_off, scale_off, ids_off, w_off,
+                     row_bytes)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _payload_dtype(layout: RowLayout) -> torch.dtype:
+    return torch.float8_e4m3fn if layout.elem == 1 else torch.bfloat16
+
+
+def new_send_buffer(layout: RowLayout, ffn_ranks: int, bucket: int, device) -> torch.Tensor:
+    """[F, bucket, row_bytes] uint8 dispatch send buffer; every id starts as -1 (padding)."""
+    buf = torch.zeros(ffn_ranks, bucket, layout.row_bytes, dtype=torch.uint8, device=device)
+    buf[..., layout.ids_off:layout.ids_off + 4 * layout.top_k] = 0xFF  # int32 -1
+    return buf
+
+
+def pack_dispatch(send: torch.Tensor, layout: RowLayout, x: torch.Tensor,
+                  expert_ids: torch.Tensor, weights: torch.Tensor,
+                  x_scales: Optional[torch.Tensor] = None) -> None:
+    """Attention side: write T tokens into rows [0, T) of every FFN rank's slot of ``send``.
+
+    send [F, bucket, row_bytes] uint8 (from ``new_send_buffer``); x [T, H] payload dtype;
+    expert_ids [T, k] int32/int64; weights [T, k] float32; x_scales [T, H/128] float32 (FP8).
+    Rows [T, bucket) keep their padding (ids -1). Every FFN rank gets every token: with
+    fixed-size splits, sending only the tokens that reach a rank would move the same bytes.
+    """
+    t = x.shape[0]
+    lay = layout
+    send[:, :t, lay.x_off:lay.x_off + lay.hidden * lay.elem].copy_(
+        x.contiguous().view(torch.uint8).unsqueeze(0))
+    if lay.scale_cols:
+        if x_scales is None:
+            raise ValueError("x_scales is required for FP8 payloads")
+        dst = send[:, :t, lay.scale_off:lay.scale_off + 4 * lay.scale_cols].view(torch.float32)
+        dst.copy_(x_scales.unsqueeze(0))
+    send[:, :t, lay.ids_off:lay.ids_off + 4 * lay.top_k].view(torch.int32).copy_(
+        expert_ids.unsqueeze(0))
+    send[:, :t, lay.w_off:lay.w_off + 4 * lay.top_k].view(torch.float32).copy_(
+        weights.unsqueeze(0))
+
+
+class Unpacked(NamedTuple):
+    x: torch.Tensor                  # [n, H] payload dtype (a strided view)
+    x_bytes: torch.Tensor            # [n, H*elem] uint8 view of the payload
+    x_scales: Optional[torch.Tensor] # [n, H/128] float32 view, FP8 only
+    expert_ids: torch.Tensor         # [n, k] int32 view
+    weights: torch.Tensor            # [n, k] float32 view
+
+
+def unpack(recv: torch.Tensor, layout: RowLayout) -> Unpacked:
+    """FFN side: views of the received rows ``recv`` [n, row_bytes] uint8 (no copies)."""
+    lay = layout
+    xb = recv[:, lay.x_off:lay.x_off + lay.hidden * lay.elem]
+    x = xb.view(_payload_dtype(lay))
+    sc = None
+    if lay.scale_cols:
+        sc = recv[:, lay.scale_off:lay.scale_off + 4 * lay.scale_cols].view(torch.float32)
+    ids = recv[:, lay.ids_off:lay.ids_off + 4 * lay.top_k].view(torch.int32)
+    w = recv[:, lay.w_off:lay.w_off + 4 * lay.top_k].view(torch.float32)
+    return Unpacked(x, xb, sc, ids, w)
+
+
+class Expanded(NamedTuple):
+    """An FFN rank's expert-major rows, as ``worker_receive`` would return them.
+
+    Capacity ``n*R`` rows (n = A*bucket tokens received); rows past ``expert_offsets[-1]``
+    are unspecified. ``row_token`` is the flat received-token index of each row (n for rows
+    past the end), what ``reduce_rows`` needs.
+    """
+
+    x: torch.Tensor               # [n*R, H] payload dtype
+    x_scales: Optional[torch.Tensor]
+    weights: torch.Tensor         # [n*R] float32
+    expert_offsets: torch.Tensor  # [E_local + 1] int32
+    src_rank: torch.Tensor        # [n*R] int32 group rank of the source
+    src_token: torch.Tensor       # [n*R] int32 token index at the source
+    row_token: torch.Tensor       # [n*R] int64 flat token index, n = none
+
+
+def local_entries(expert_ids: torch.Tensor, ffn_index: int, experts_per_rank: int
+                  ) -> torch.Tensor:
+    """[n, k] int64: the local expert of each entry that this FFN rank serves, else
+    ``experts_per_rank`` (invalid, another rank's expert, or a repeated id in the token)."""
+    ids = expert_ids.to(torch.int64)
+    lo = ffn_index * experts_per_rank
+    local = ids - lo
+    keep = (ids >= 0) & (local >= 0) & (local < experts_per_rank)
+    k = ids.shape[1]
+    if k > 1:
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)                   # [n, k, k]
+        pos = torch.arange(k, device=ids.device)
+        earlier = pos.unsqueeze(0) < pos.unsqueeze(1)                  # [j, j']: j' < j
+        keep &= ~(same & earlier).any(dim=2)                          # first occurrence wins
+    return torch.where(keep, local, torch.full_like(local, experts_per_rank))
+
+
+def expand(received: Unpacked, ffn_index: int, experts_per_rank: int, rows_per_token: int,
+           bucket: int, source_ranks: torch.Tensor) -> Expanded:
+    """FFN side: received tokens -> expert-major rows (static shapes, no host sync).
+
+    received: ``unpack`` of the [A*bucket, row_bytes] rows, source a's tokens at rows
+    [a*bucket, (a+1)*bucket); source_ranks [A] int32: group rank of Attention index a.
+    """
+    ids = received.expert_ids
+    n, k = ids.shape
+    el = experts_per_rank
+    key = local_entries(ids, ffn_index, el).reshape(-1)               # [n*k]
+    order = torch.argsort(key, stable=True)                           # valid entries first
+    sorted_key = key.index_select(0, order)
+    bounds = torch.arange(el + 1, dtype=torch.int64, device=ids.device)
+    offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)  # [E_local + 1]
+    cap = n * rows_per_token                                          # <= n*k
+    order = order[:cap]
+    tok = torch.div(order, k, rounding_mode="floor")
+    valid = torch.arange(cap, device=ids.device) < offsets[el].to(torch.int64)
+    x = received.x_bytes.index_select(0, tok).view(received.x.dtype)
+    sc = None if received.x_scales is None else received.x_scales.index_select(0, tok)
+    w = received.weights.reshape(-1).index_select(0, order)
+    src_a = torch.div(tok, bucket, rounding_mode="floor")
+    src_rank = source_ranks.to(torch.int32).index_select(0, src_a)
+    src_token = (tok - src_a * bucket).to(torch.int32)
+    row_token = torch.where(valid, tok, torch.full_like(tok, n))
+    return Expanded(x, sc, w, offsets, src_rank, src_token, row_token)
+
+
+def reduce_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """FFN side of combine: [num_tokens, H] BF16, the fp32 sum of each token's rows.
+
+    rows [n*R, H] BF16 (already weighted); row_token [n*R] int64 from ``expand`` (num_tokens
+    marks rows past the end; they land in a dropped sink row)."""
+    acc = torch.zeros(num_tokens + 1, rows.shape[1], dtype=torch.float32, device=rows.device)
+    acc.index_add_(0, row_token, rows.to(torch.float32))
+    return acc[:num_tokens].to(torch.bfloat16)
+
+
+def collect(replies: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Attention side of combine: replies [F, bucket, H] BF16 (one slot per FFN rank) ->
+    [T, H] BF16, the fp32 sum over FFN ranks of the first T rows."""
+    return replies[:, :num_tokens].to(torch.float32).sum(dim=0).to(torch.bfloat16)
+
+
+def dequantize_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """[n, H] payload (+ [n, H/128] scales) -> float32 (used by the CPU checks)."""
+    xf = x.to(torch.float32)
+    if x_scales is None:
+        return xf
+    return xf * x_scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :x.shape[1]]
+
+
+def splits(roles: Sequence[str], role: str, count: int) -> list:
+    """all_to_all_single split sizes in group-rank order: ``count`` rows to/from each rank of
+    ``role``, 0 for the others."""
+    return [count if r == role else 0 for r in roles]

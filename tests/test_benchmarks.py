@@ -1,0 +1,474 @@
+"""CPU tests of the benchmark harness (benchmarks/): arguments, statistics, aggregation,
+writers, the nccl arm's torch-op exchange against torch_afdep.reference, and the whole
+harness end to end in --cpu-smoke mode (gloo, eager steps; the GPU run itself is not here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from benchmarks import report, run, stats
+from benchmarks import torch_exchange as tx
+from torch_afdep import reference as ref
+from torch_afdep.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- arguments ----------------------------------------------------------------------------
+def test_defaults_match_the_issue():
+    a = run.parse_args([])
+    assert a.layout == ["1A1F"]
+    assert a.hidden == [2048, 4096, 7168]
+    assert a.dtype == ["bf16", "fp8"]
+    assert a.routing == ["random", "skewed"]
+    assert a.tokens == [1, 8, 32, 128, 512, 2048]
+    assert a.arms == ["afdep", "symmetric", "nccl", "nccl_bare"]
+    assert (a.experts, a.top_k, a.capacity, a.sms) == (128, 8, 2048, 24)
+    assert a.repeats >= 3 and a.replays >= 200
+
+
+def test_quick_grid_and_explicit_flags_win():
+    a = run.parse_args(["--quick"])
+    assert a.hidden == [2048] and a.tokens == [1, 128] and a.replays < 200
+    b = run.parse_args(["--quick", "--tokens", "4", "--replays", "7", "--warmup", "3"])
+    assert b.tokens == [4] and b.replays == 7 and b.warmup == 3
+
+
+@pytest.mark.parametrize("text,want", [("1A1F", (1, 1)), ("2a2f", (2, 2)), ("3A1F", (3, 1)),
+                                       ("7A1F", (7, 1)), ("1A4F", (1, 4))])
+def test_layouts_parse(text, want):
+    assert run.parse_layout(text) == want
+
+
+def test_layouts_accepted_by_the_cli():
+    a = run.parse_args(["--layout", "2A2F", "3A1F", "7a1f", "1A1F"])
+    assert a.layout == ["2A2F", "3A1F", "7A1F", "1A1F"]
+
+
+@pytest.mark.parametrize("argv", [["--layout", "2X2F"], ["--layout", "0A1F"],
+                                  ["--layout", "1A3F"],  # 128 experts over 3 FFN ranks
+                                  ["--tokens", "4096"], ["--tokens", "0"],
+                                  ["--hidden", "1000"], ["--repeats", "0"],
+                                  ["--dtype", "fp16"], ["--arms", "deepep"]])
+def test_bad_arguments_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_experts_fix_for_three_ffn_ranks():
+    a = run.parse_args(["--layout", "1A3F", "--experts", "96"])
+    assert a.layout == ["1A3F"] and a.experts == 96
+
+
+def test_plan_maps_ranks_round_robin_and_skips_nccl_when_gpus_are_shared():
+    a = run.parse_args(["--layout", "1A1F", "2A2F", "7A1F", "--quick"])
+    plan = run.make_plan(a, 2)
+    gpus = {lay["name"]: lay["gpus"] for lay in plan["layouts"]}
+    assert gpus == {"1A1F": [0, 1], "2A2F": [0, 1, 0, 1], "7A1F": [0, 1] * 4}
+    assert len(plan["cells"]) == 2
+    assert run.skip_reason("nccl", 2, 2, {}) is None
+    assert "one GPU per rank" in run.skip_reason("nccl", 4, 2, {})
+    assert run.skip_reason("afdep", 8, 2, {"afdep_cuda_ext": True}) is None
+    assert "_cuda" in run.skip_reason("symmetric", 2, 2, {"afdep_cuda_ext": False,
+                                                          "afdep_cuda_ext_error": "x"})
+
+
+def test_arm_order_rotates_across_repeats():
+    arms = ["afdep", "symmetric", "nccl", "nccl_bare"]
+    firsts = [run.arm_order(arms, r)[0] for r in range(4)]
+    assert sorted(firsts) == sorted(arms)
+    for r in range(4):
+        assert sorted(run.arm_order(arms, r)) == sorted(arms)
+
+
+def test_default_grid_fits_the_time_budget_estimate():
+    a = run.parse_args([])
+    plan = run.make_plan(a, 2)
+    per_world = run.estimate_world_s(len(plan["cells"]), a, 2)
+    total = per_world * len(a.arms) * a.repeats
+    assert total < 8 * 60
+
+
+def test_inject_parsing():
+    assert run.parse_inject("") == []
+    assert run.parse_inject("nccl,1,0,setup; *,2,1,eager") == [
+        {"arm": "nccl", "index": 1, "rank": 0, "phase": "setup"},
+        {"arm": None, "index": 2, "rank": 1, "phase": "eager"}]
+
+
+# ---- statistics ---------------------------------------------------------------------------
+def test_median_and_percentiles():
+    assert stats.median([3.0, 1.0, 2.0]) == 2.0
+    assert stats.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert stats.median([None, 5.0, float("nan")]) == 5.0
+    assert stats.median([]) is None
+    s = stats.summarize_samples([float(x) for x in range(1, 101)])
+    assert s["median_us"] == 50.5 and s["min_us"] == 1.0 and s["n"] == 100
+    assert abs(s["p10_us"] - 10.9) < 1e-9 and abs(s["p90_us"] - 90.1) < 1e-9
+
+
+def test_max_over_attention_ranks():
+    assert stats.max_over_ranks({2: 10.0, 3: 12.5}) == 12.5
+    assert stats.max_over_ranks({2: 10.0, 3: None}) is None  # a missing rank invalidates
+    assert stats.max_over_ranks({}) is None
+
+
+def test_geometric_mean_of_paired_ratios():
+    # ratios 0.5, 1, 2 -> geometric mean 1 -> 0 % (an arithmetic mean would say +16.7 %)
+    assert abs(stats.paired_change_pct([10, 20, 40], [20, 20, 20])) < 1e-12
+    assert abs(stats.paired_change_pct([9, 18, 27], [10, 20, 30]) - (-10.0)) < 1e-9
+    # pairs by repeat index; incomplete pairs are dropped
+    assert abs(stats.paired_change_pct([9, None, 27], [10, 20, None]) - (-10.0)) < 1e-9
+    assert stats.paired_change_pct([None], [1.0]) is None
+    assert stats.wins([9, 21, 27], [10, 20, 30]) == "2/3"
+    g = stats.geomean([1.0, 4.0])
+    assert abs(g - 2.0) < 1e-12
+
+
+# ---- aggregation and writers --------------------------------------------------------------
+def _synthetic(arms=("afdep", "symmetric", "nccl", "nccl_bare"), repeats=3):
+    """2A1F (ranks: 0 = FFN, 1 and 2 = Attention), two cells, per-rank medians chosen so that
+    the max over ranks and the median over repeats are easy to read off."""
+    plan = {"cells": [{"hidden": 2048, "dtype": "bf16", "routing": "random", "tokens": 1},
+                      {"hidden": 2048, "dtype": "bf16", "routing": "random", "tokens": 2048}],
+            "layouts": [{"name": "2A1F", "attention": 2, "ffn": 1, "gpus": [0, 1, 0]}],
+            "arms": list(arms), "repeats": repeats, "experts": 128, "top_k": 8,
+            "capacity": 2048, "sms": 24}
+    base = {"afdep": 20.0, "symmetric": 30.0, "nccl": 50.0, "nccl_bare": 40.0}
+    raw = []
+    for rep in range(repeats):
+        for arm in arms:
+            ranks = {0: {"meta": {}, "cells": {}}, 1: {"meta": {}, "cells": {}},
+                     2: {"meta": {}, "cells": {}}}
+            for idx, cell in enumerate(plan["cells"]):
+                scale = 1.0 if idx == 0 else 10.0
+                b = base[arm] * scale + rep  # repeats 0, 1, 2 add 0, 1, 2 µs
+                ranks[0]["cells"][idx] = {"status": "ok", "registered_bytes": 300,
+                                          "union_bytes": 400, "flags": 63}
+                ranks[1]["cells"][idx] = {"status": "ok", "median_us": b,
+                                          "reach_tokens": [cell["tokens"]],
+                                          "registered_bytes": 100, "union_bytes": 400}
+                ranks[2]["cells"][idx] = {"status": "ok", "median_us": b + 0.5,
+                                          "reach_tokens": [cell["tokens"]]}
+            raw.append({"arm": arm, "layout": "2A1F", "repeat": rep, "status": "ran",
+                        "error": None, "ranks": ranks})
+    return raw, plan
+
+
+def test_aggregate_latency_is_median_of_repeats_of_max_over_ranks():
+    raw, plan = _synthetic()
+    rows, comps = report.aggregate(raw, plan, ceiling_gbps=400.0)
+    r = next(x for x in rows if x["arm"] == "afdep" and x["tokens"] == 1)
+    assert r["repeats_us"] == [20.5, 21.5, 22.5]        # max over ranks 1, 2
+    assert r["latency_us"] == 21.5                      # median over repeats
+    assert r["status"] == "ok" and r["errors"] == []
+    c = next(x for x in comps if x["arm"] == "afdep" and x["baseline"] == "symmetric"
+             and x["tokens"] == 1)
+    want = (math.exp(sum(math.log((20.5 + i) / (30.5 + i)) for i in range(3)) / 3) - 1) * 100
+    assert abs(c["change_pct"] - want) < 1e-9 and c["wins"] == "3/3"
+    assert r["vs_symmetric_pct"] == c["change_pct"]
+    assert "vs_nccl_pct" in r
+    assert r["registered_bytes"] == {"ffn": 300, "attention": 100}
+    assert r["union_bytes"] == 400
+
+
+def test_floor_and_achieved_bandwidth_use_the_busiest_link():
+    raw, plan = _synthetic()
+    rows, _ = report.aggregate(raw, plan, ceiling_gbps=400.0)
+    r = next(x for x in rows if x["arm"] == "afdep" and x["tokens"] == 2048)
+    # FFN on GPU 0; Attention rank 1 on GPU 1 crosses the link, rank 2 shares GPU 0.
+    assert r["link_bytes_dispatch"] == 2048 * 2 * 2048
+    assert r["link_bytes_combine"] == 2048 * 2 * 2048
+    assert abs(r["floor_us"] - 2 * 2048 * 4096 / 400e9 * 1e6) < 1e-6
+    assert abs(r["achieved_GBps"] - 2 * 2048 * 4096 / (r["latency_us"] * 1e-6) / 1e9) < 1e-6
+    assert report.dispatch_row_bytes(7168, "fp8") == 7168 + 4 * 56
+    assert report.floor_us(0, 0, 400.0) is None and report.floor_us(10, 10, None) is None
+
+
+def test_failed_and_skipped_repeats_are_recorded_not_fatal():
+    raw, plan = _synthetic()
+    # repeat 1 of the nccl arm: rank 2 failed on cell 0 and left no record of cell 1
+    w = next(x for x in raw if x["arm"] == "nccl" and x["repeat"] == 1)
+    w["ranks"][2]["cells"][0] = {"status": "failed", "error": "boom"}
+    del w["ranks"][2]["cells"][1]
+    w["error"] = "world timed out"
+    for x in raw:
+        if x["arm"] == "nccl_bare":
+            x.update(status="skipped", error="NCCL needs one GPU per rank", ranks={})
+    rows, comps = report.aggregate(raw, plan, ceiling_gbps=None)
+    n0 = next(x for x in rows if x["arm"] == "nccl" and x["tokens"] == 1)
+    assert n0["repeats_us"][1] is None and n0["status"] == "partial"
+    assert n0["latency_us"] == stats.median([50.5, 52.5])
+    assert any("boom" in e for e in n0["errors"])
+    n1 = next(x for x in rows if x["arm"] == "nccl" and x["tokens"] == 2048)
+    assert any("timed out" in e for e in n1["errors"])
+    bare = next(x for x in rows if x["arm"] == "nccl_bare")
+    assert bare["status"] == "skipped" and bare["latency_us"] is None
+    c = next(x for x in comps if x["baseline"] == "nccl" and x["tokens"] == 1)
+    assert c["pairs"] == 2
+    assert "floor_us" in n0 and n0["floor_us"] is None
+
+
+def _doc(tmp_path):
+    raw, plan = _synthetic()
+    args = vars(run.parse_args(["--layout", "2A2F"]))
+    probe = {"peer_copy_GBps": {"0->1": 390.0, "1->0": 395.0},
+             "peer_copy_ceiling_GBps": 395.0, "peer_copy_bytes": 2**30, "nccl_version": "2.28.9"}
+    machine = {"name": "2 × NVIDIA H200", "gpus": ["NVIDIA H200"] * 2, "count": 2,
+               "driver": "999.1"}
+    return run.build_doc(raw, plan, probe, machine, args, datetime.datetime.now(),
+                         time.monotonic(), ["a note"], {}, final=True, complete=True)
+
+
+def test_json_schema_fields(tmp_path):
+    doc = _doc(tmp_path)
+    path = str(tmp_path / "x.json")
+    report.write_json(path, doc)
+    d = json.load(open(path))
+    for k in ("machine", "commit", "env", "results", "comparisons", "registered", "probe",
+              "args", "method", "notes", "worlds", "started", "finished"):
+        assert k in d, k
+    assert d["machine"]["count"] == 2 and d["machine"]["driver"] == "999.1"
+    assert d["commit"] and d["commit"] != "unknown"
+    for k in ("torch", "cuda", "nccl", "vars", "child_vars", "arm_vars"):
+        assert k in d["env"], k
+    assert d["env"]["child_vars"]["NCCL_NVLS_ENABLE"] == "0"
+    assert d["env"]["arm_vars"]["symmetric"] == {"AFDEP_SYMMETRIC": "1"}
+    assert len(d["results"]) == 2 * 4
+    for r in d["results"]:
+        for k in ("arm", "layout", "hidden", "dtype", "routing", "tokens", "latency_us",
+                  "repeats_us", "status"):
+            assert k in r, k
+        assert r["layout"] == "2A1F" and len(r["repeats_us"]) == 3
+    reg = d["registered"]
+    assert reg and reg[0]["ffn_vs_union"] == 0.75 and reg[0]["attention_vs_union"] == 0.25
+
+
+def test_markdown_tables(tmp_path):
+    doc = _doc(tmp_path)
+    path = str(tmp_path / "x.md")
+    report.write_markdown(path, doc)
+    md = open(path).read()
+    assert "## 2A1F, hidden 2,048, BF16, random routing" in md
+    assert "| | T=1 | T=2,048 |" in md
+    for arm in ("afdep", "symmetric", "nccl", "nccl_bare"):
+        assert f"| {arm}, µs |" in md
+    assert "| afdep vs symmetric |" in md and "| afdep vs nccl |" in md
+    assert "(3/3)" in md and "−" in md  # afdep faster: a negative change, typeset
+    assert "data floor" in md and "395.0 GB/s" in md
+    assert "Registered buffer bytes" in md
+
+
+def test_plot_is_optional(tmp_path):
+    doc = _doc(tmp_path)
+    path = str(tmp_path / "x.png")
+    msg = report.write_plot(path, doc)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert msg and "matplotlib" in msg and not os.path.exists(path)
+    else:
+        assert msg is None and os.path.getsize(path) > 0
+
+
+def test_machine_slug_and_commit():
+    assert run.machine_slug(["NVIDIA H200", "NVIDIA H200"]) == "2xH200"
+    assert run.machine_slug([]) == "nogpu"
+    c = run.git_commit()
+    assert c == "unknown" or len(c.split("-")[0]) == 40
+
+
+# ---- the nccl arm's exchange, against the reference ---------------------------------------
+def _simulate(cfg, inputs, bucket):
+    """Run the torch-op exchange of every rank in one process: pack on each Attention rank,
+    'all_to_all' by slicing, expand + expert + reduce on each FFN rank, collect."""
+    lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
+    sends = []
+    for x, ids, w, sc in inputs:
+        s = tx.new_send_buffer(lay, cfg.ffn_ranks, bucket, "cpu")
+        tx.pack_dispatch(s, lay, x, ids, w, sc)
+        sends.append(s)
+    sources = torch.tensor(cfg.attention_group_ranks, dtype=torch.int32)
+    replies, expanded = [], []
+    for f in range(cfg.ffn_ranks):
+        recv = torch.cat([s[f] for s in sends])              # [A*bucket, row_bytes]
+        ex = tx.expand(tx.unpack(recv, lay), f, cfg.experts_per_rank, cfg.rows_per_token,
+                       bucket, sources)
+        expanded.append(ex)
+        n = ex.x.shape[0]
+        el = torch.searchsorted(ex.expert_offsets[1:].to(torch.int64), torch.arange(n),
+                                right=True)
+        e = (el + f * cfg.experts_per_rank).to(torch.float32)
+        rows = (tx.dequantize_rows(ex.x, ex.x_scales) * (1 + e / cfg.num_experts)[:, None]
+                * ex.weights[:, None]).to(torch.bfloat16)     # the caller weights each row
+        replies.append(tx.reduce_rows(rows, ex.row_token, cfg.attention_ranks * bucket)
+                       .view(cfg.attention_ranks, bucket, cfg.hidden_size))
+    outs = [tx.collect(torch.stack([r[a] for r in replies]), inputs[a][0].shape[0])
+            for a in range(cfg.attention_ranks)]
+    return outs, expanded
+
+
+def _inputs(cfg, tokens, routing, g):
+    out = []
+    for t in tokens:
+        x32 = torch.randn(t, cfg.hidden_size, generator=g)
+        if cfg.dtype == torch.float8_e4m3fn:
+            sc = torch.rand(t, cfg.hidden_size // 128, generator=g) + 0.5
+            x = x32.to(cfg.dtype)
+        else:
+            sc, x = None, x32.to(torch.bfloat16)
+        ids, w = ref.random_routing(cfg, t, routing, generator=g)
+        if t > 3:
+            ids[2, 3] = ids[2, 1]      # a repeated id counts once
+            ids[3] = -1                # a token with no expert at all
+        out.append((x, ids.to(torch.int32) if t % 2 else ids, w, sc))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("A,F,E,k,tokens,bucket,routing", [
+    (1, 1, 128, 8, [16], 16, "random"),
+    (1, 1, 128, 8, [5], 16, "skewed"),            # T < bucket: padding rows reach nobody
+    (2, 2, 128, 8, [16, 7], 16, "partial"),
+    (3, 1, 64, 8, [9, 0, 4], 9, "random"),        # a source with no tokens
+    (1, 4, 16, 8, [12], 12, "random"),            # R = E_local = 4 < top_k
+    (2, 3, 24, 6, [8, 8], 8, "skewed"),
+])
+def test_torch_exchange_matches_reference(dtype, A, F, E, k, tokens, bucket, routing):
+    cfg = Config(capacity_tokens_per_rank=64, hidden_size=256, num_experts=E, top_k=k,
+                 ffn_ranks=F, attention_ranks=A, dtype=dtype)
+    g = torch.Generator().manual_seed(A * 100 + F * 10 + k)
+    inputs = _inputs(cfg, tokens, routing, g)
+    outs, expanded = _simulate(cfg, inputs, bucket)
+    counts = ref.expert_counts(cfg, [i[1] for i in inputs])
+    for f, ex in enumerate(expanded):
+        want = torch.cat([torch.zeros(1, dtype=torch.int64), counts[f].cumsum(0)])
+        assert ex.expert_offsets.dtype == torch.int32
+        assert torch.equal(ex.expert_offsets.to(torch.int64), want)
+        assert ex.x.shape == (cfg.recv_rows(bucket), cfg.hidden_size)
+        total = int(want[-1])
+        # every row is (source, token, local expert) of the reference, with its weight
+        lo = f * cfg.experts_per_rank
+        el = torch.searchsorted(want[1:], torch.arange(total), right=True)
+        got = sorted(zip(ex.src_rank[:total].tolist(), ex.src_token[:total].tolist(),
+                         (el + lo).tolist(), ex.weights[:total].tolist()))
+        exp = []
+        for a, (x, ids, w, sc) in enumerate(inputs):
+            d = ref.dedupe(ids)
+            m = (d >= lo) & (d < lo + cfg.experts_per_rank)
+            tt, jj = m.nonzero(as_tuple=True)
+            exp += list(zip([cfg.attention_group_ranks[a]] * len(tt), tt.tolist(),
+                            d[tt, jj].tolist(), w[tt, jj].tolist()))
+        assert got == sorted(exp)
+    for a, (x, ids, w, sc) in enumerate(inputs):
+        want = ref.moe_output(cfg, x, ids, w, lambda e, r: r * (1 + e / cfg.num_experts), sc)
+        assert outs[a].shape == (x.shape[0], cfg.hidden_size)
+        assert outs[a].dtype == torch.bfloat16
+        if x.shape[0]:
+            assert ref.relative_error(outs[a], want) < 1.5e-2
+            zero = ref.route_mask(cfg, ids) == 0
+            assert bool((outs[a][zero] == 0).all())
+
+
+def test_row_layout_alignment():
+    for h, dt, k in ((2048, torch.bfloat16, 8), (7168, torch.float8_e4m3fn, 8),
+                     (136, torch.bfloat16, 3)):
+        lay = tx.row_layout(h, dt, k)
+        assert lay.row_bytes % 16 == 0
+        assert lay.scale_off % 4 == 0 and lay.ids_off % 4 == 0 and lay.w_off % 4 == 0
+        assert lay.w_off + 4 * k <= lay.row_bytes
+    with pytest.raises(TypeError):
+        tx.row_layout(128, torch.float16, 8)
+    assert tx.splits(("ffn", "attention", "attention"), "attention", 5) == [0, 5, 5]
+
+
+def test_expected_output_of_the_benchmark_expert():
+    """The timed step's 'expert' is a BF16 cast of each received row, unweighted, so an
+    exchange returns n_valid(t) * x[t]; the harness checks outputs against this."""
+    from benchmarks.arms import check_output, expected_output
+
+    cfg = Config(capacity_tokens_per_rank=16, hidden_size=256, num_experts=16, top_k=4,
+                 ffn_ranks=2, attention_ranks=1)
+    g = torch.Generator().manual_seed(3)
+    (x, ids, w, sc), = _inputs(cfg, [8], "partial", g)
+    lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
+    valid = sum((tx.local_entries(ids, f, cfg.experts_per_rank) < cfg.experts_per_rank)
+                .sum(dim=1) for f in range(cfg.ffn_ranks))
+    send = tx.new_send_buffer(lay, cfg.ffn_ranks, 8, "cpu")
+    tx.pack_dispatch(send, lay, x, ids, w, sc)
+    replies = []
+    for f in range(cfg.ffn_ranks):
+        ex = tx.expand(tx.unpack(send[f], lay), f, cfg.experts_per_rank, cfg.rows_per_token,
+                       8, torch.tensor([2], dtype=torch.int32))
+        replies.append(tx.reduce_rows(ex.x.to(torch.bfloat16), ex.row_token, 8))
+    out = tx.collect(torch.stack(replies), 8)
+    assert check_output(out, expected_output(x, valid)) < 5e-3  # one BF16 rounding
+    assert check_output(out * 2, expected_output(x, valid)) > 0.5
+
+
+# ---- the command --------------------------------------------------------------------------
+def _run_cli(*argv, env=None, timeout=300):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def test_help_works():
+    p = _run_cli("--help", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "--layout" in p.stdout and "--quick" in p.stdout and "--arms" in p.stdout
+
+
+def test_dry_run_plans_without_a_gpu():
+    p = _run_cli("--dry-run", "--gpus", "2", "--layout", "1A1F", "2A2F", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "1A1F: 2 ranks on GPUs [0, 1]" in p.stdout
+    assert "skipped (NCCL needs one GPU per rank" in p.stdout
+    assert "estimated wall time" in p.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_no_gpu_is_a_clear_error():
+    p = _run_cli("--quick", timeout=120)
+    assert p.returncode == 2
+    assert "no CUDA GPU" in p.stderr
+
+
+@pytest.mark.slow
+def test_cpu_smoke_end_to_end(tmp_path):
+    """The whole harness on the CPU over gloo: spawned worlds, per-rank records, failure
+    recording (an injected set-up failure in the nccl arm's second cell), JSON/Markdown."""
+    p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
+                 "--replays", "2", "--warmup", "1", "--arms", "afdep", "nccl",
+                 "--hidden", "256", "--kernel-timeout", "10", "--out-dir", str(tmp_path),
+                 "--name", "smoke", "--no-plot",
+                 env={"AFDEP_BENCH_INJECT": "nccl,1,0,setup", "AFDEP_SYMMETRIC": "1"},
+                 timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.load(open(tmp_path / "smoke.json"))
+    assert os.path.exists(tmp_path / "smoke.md")
+    assert d["env"]["stripped_from_parent"] == {"AFDEP_SYMMETRIC": "1"}
+    rows = {(r["arm"], r["tokens"]): r for r in d["results"]}
+    assert set(rows) == {("afdep", 1), ("afdep", 8), ("nccl", 1), ("nccl", 8)}
+    for key in (("afdep", 1), ("afdep", 8), ("nccl", 1)):
+        r = rows[key]
+        assert r["status"] == "ok", r
+        assert r["latency_us"] > 0 and len(r["repeats_us"]) == 1
+        assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
+    bad = rows[("nccl", 8)]
+    assert bad["status"] == "failed" and "injected failure" in " ".join(bad["errors"])
+    assert [c for c in d["comparisons"] if c["baseline"] == "nccl" and c["tokens"] == 1]
+    assert {w["arm"] for w in d["worlds"]} == {"afdep", "nccl"}
