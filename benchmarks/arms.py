@@ -91,6 +91,15 @@ def check_output(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((o - want).norm()) / denom
 
 
+def open_log(spec: Dict[str, Any], rank: int):
+    """This rank's JSONL record file; its first line names the process id, so the parent
+    can end a stalled world's processes."""
+    f = open(os.path.join(spec["out_dir"], f"rank{rank}.jsonl"), "a", buffering=1)
+    f.write(json.dumps({"kind": "start", "rank": rank, "pid": os.getpid()}) + "\n")
+    f.flush()
+    return f
+
+
 # ---- per-rank context ---------------------------------------------------------------------
 class _Rank:
     def __init__(self, rank: int, world: int, spec: Dict[str, Any]):
@@ -110,10 +119,9 @@ class _Rank:
         self.cuda = spec.get("device", "cuda") == "cuda"
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.cuda
                        else torch.device("cpu"))
+        self._log = open_log(spec, rank)
         self.ctrl = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=spec["ctrl_timeout_s"]))
-        path = os.path.join(spec["out_dir"], f"rank{rank}.jsonl")
-        self._log = open(path, "a", buffering=1)
         self.aborted: Optional[str] = None
 
     def config(self, hidden: int, dtype: str):
@@ -366,8 +374,12 @@ class _BareCell(_Cell):
 def _inject(spec: Dict[str, Any], rk: _Rank, index: int, phase: str) -> None:
     """Test hook: raise where spec['inject'] names (arm, cell index, rank, phase)."""
     for inj in spec.get("inject") or ():
-        if (inj.get("arm") in (None, rk.arm) and inj.get("index") == index
-                and inj.get("rank") == rk.rank and inj.get("phase") == phase):
+        if not (inj.get("arm") in (None, rk.arm) and inj.get("index") == index
+                and inj.get("rank") == rk.rank):
+            continue
+        if inj.get("phase") == "hang" and phase == "setup":
+            time.sleep(1e6)  # a rank that stops making progress (the stall watchdog's case)
+        if inj.get("phase") == phase:
             raise RuntimeError(f"injected failure ({rk.arm}, cell {index}, rank {rk.rank}, "
                                f"{phase})")
 

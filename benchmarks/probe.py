@@ -54,7 +54,8 @@ def probe_main(rank: int, world_size: int, opts: Dict[str, Any]) -> Dict[str, An
         out["sm_count"] = p.multi_processor_count
         out["memory_gib"] = round(p.total_memory / 2**30, 1)
     try:
-        out["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        v = torch.cuda.nccl.version()
+        out["nccl_version"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
     except Exception as e:  # noqa: BLE001
         out["nccl_version"] = None
         out["errors"].append(f"nccl version: {e}")

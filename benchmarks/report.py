@@ -346,7 +346,7 @@ def markdown(doc: Dict[str, Any]) -> str:
                 f"{_fmt_bytes(e.get('union_bytes'))} | {_fmt_ratio(e.get('ffn_vs_union'))} | "
                 f"{_fmt_ratio(e.get('attention_vs_union'))} |")
         lines.append("")
-    arms = [x for x in doc.get("args", {}).get("arms", []) if any(r["arm"] == x for r in rows)]
+    arms = present_arms(rows)
     for (layout, hidden, dtype, routing) in groups_of(rows):
         sub = [r for r in rows if (r["layout"], r["hidden"], r["dtype"], r["routing"]) ==
                (layout, hidden, dtype, routing)]
@@ -402,6 +402,13 @@ def markdown(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def present_arms(rows: List[Dict[str, Any]]) -> List[str]:
+    """Arms that have rows, in the canonical order (afdep, symmetric, nccl, nccl_bare)."""
+    have = {r["arm"] for r in rows}
+    order = [a for a in ARM_LABELS if a in have]
+    return order + sorted(have - set(order))
+
+
 def get_any(get, ts, arms):
     """Per T, the row of the first arm in ``arms`` that has a floor."""
     out = {}
@@ -443,7 +450,7 @@ def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
     groups = groups_of(rows)
     if not groups:
         return "no results to plot"
-    arms = [x for x in doc.get("args", {}).get("arms", []) if any(r["arm"] == x for r in rows)]
+    arms = present_arms(rows)
     ncol = min(3, len(groups))
     nrow = math.ceil(len(groups) / ncol)
     fig = plt.figure(figsize=(5.2 * ncol, 5.0 * nrow))

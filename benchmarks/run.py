@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-timeout", type=float, default=0,
                    help="seconds before a world (one arm, one layout, one repeat) is killed; "
                         "0 = estimated from the grid")
+    r.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="end a world whose ranks record nothing for this many seconds "
+                        "(0 = only --world-timeout)")
     r.add_argument("--kernel-timeout", type=float, default=20.0,
                    help="Config.timeout_s of the afdep buffers (a stuck wait raises)")
     r.add_argument("--time-budget", type=float, default=460,
@@ -350,10 +353,35 @@ def _count_cells(path: str) -> int:
         return 0
 
 
+def _records_size(dir_: str, world: int) -> int:
+    total = 0
+    for r in range(world):
+        try:
+            total += os.path.getsize(os.path.join(dir_, f"rank{r}.jsonl"))
+        except OSError:
+            pass
+    return total
+
+
+def _kill_world(dir_: str, world: int) -> List[int]:
+    """SIGKILL the processes of one world, by the ids they recorded (only ours)."""
+    killed = []
+    for r, ent in read_rank_files(dir_, world).items():
+        pid = (ent.get("start") or {}).get("pid")
+        if not pid or pid == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return killed
+
+
 def read_rank_files(dir_: str, world: int) -> Dict[int, Dict[str, Any]]:
     ranks: Dict[int, Dict[str, Any]] = {}
     for r in range(world):
-        ent: Dict[str, Any] = {"meta": None, "cells": {}, "end": None}
+        ent: Dict[str, Any] = {"start": None, "meta": None, "cells": {}, "end": None}
         try:
             with open(os.path.join(dir_, f"rank{r}.jsonl")) as f:
                 for ln in f:
@@ -362,7 +390,9 @@ def read_rank_files(dir_: str, world: int) -> Dict[int, Dict[str, Any]]:
                     except ValueError:
                         continue  # a line cut short by a kill
                     kind = rec.pop("kind", None)
-                    if kind == "meta":
+                    if kind == "start":
+                        ent["start"] = rec
+                    elif kind == "meta":
                         ent["meta"] = rec
                     elif kind == "cell":
                         ent["cells"][rec["index"]] = rec
@@ -425,9 +455,26 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
     th = threading.Thread(target=target, daemon=True)
     th.start()
     desc = f"r{repeat} {layout['name']} {arm}"
-    while th.is_alive():
-        th.join(timeout=0.5)
-        progress.set(done_before + _count_cells(os.path.join(out_dir, "rank0.jsonl")), desc)
+    last_size, last_change = -1, time.monotonic()
+    stalled = None
+    try:
+        while th.is_alive():
+            th.join(timeout=0.5)
+            progress.set(done_before + _count_cells(os.path.join(out_dir, "rank0.jsonl")),
+                         desc)
+            size = _records_size(out_dir, world)
+            if size != last_size:
+                last_size, last_change = size, time.monotonic()
+            elif (stalled is None and args.stall_timeout > 0
+                  and time.monotonic() - last_change > args.stall_timeout):
+                stalled = (f"no progress for {args.stall_timeout:.0f} s: ended the world's "
+                           f"processes {_kill_world(out_dir, world)}")
+                sys.stderr.write(f"\nworld {desc}: {stalled}\n")
+    except BaseException:
+        _kill_world(out_dir, world)  # interrupted: leave no rank holding a GPU
+        raise
+    if stalled:
+        result["error"] = stalled + "\n" + (result.get("error") or "")
     ranks = read_rank_files(out_dir, world)
     entry = {"arm": arm, "layout": layout["name"], "repeat": repeat,
              "status": "failed" if "error" in result else "ran", "error": result.get("error"),

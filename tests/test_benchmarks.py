@@ -472,3 +472,23 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert bad["status"] == "failed" and "injected failure" in " ".join(bad["errors"])
     assert [c for c in d["comparisons"] if c["baseline"] == "nccl" and c["tokens"] == 1]
     assert {w["arm"] for w in d["worlds"]} == {"afdep", "nccl"}
+
+
+@pytest.mark.slow
+def test_stalled_world_is_ended_and_recorded(tmp_path):
+    """A rank that stops making progress: the parent ends that world's processes after
+    --stall-timeout, records the failure and goes on with the next world."""
+    p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
+                 "--replays", "2", "--warmup", "1", "--arms", "nccl", "nccl_bare",
+                 "--hidden", "256", "--stall-timeout", "6", "--out-dir", str(tmp_path),
+                 "--name", "stall", "--no-plot",
+                 env={"AFDEP_BENCH_INJECT": "nccl,1,1,hang"}, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.load(open(tmp_path / "stall.json"))
+    rows = {(r["arm"], r["tokens"]): r for r in d["results"]}
+    assert rows[("nccl", 1)]["status"] == "ok"
+    assert rows[("nccl", 8)]["status"] == "failed"
+    assert any("no progress" in e for e in rows[("nccl", 8)]["errors"])
+    assert rows[("nccl_bare", 1)]["status"] == "ok" and rows[("nccl_bare", 8)]["status"] == "ok"
+    w = next(w for w in d["worlds"] if w["arm"] == "nccl")
+    assert w["status"] == "failed" and "no progress" in w["error"]
