@@ -413,7 +413,8 @@ def _run_cell(rk: _Rank, cell_obj: _Cell, spec: Dict[str, Any], rec: Dict[str, A
             if rel is not None:
                 rec["eager_rel_err"] = rel
             phase = "capture"
-            if rk.cuda:
+            rec["graph"] = rk.cuda and rk.arm not in (spec.get("eager_arms") or ())
+            if rec["graph"]:
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: NCCL's watchdog thread may query events while we capture.
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):

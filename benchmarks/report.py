@@ -166,6 +166,9 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                     per_rank_all.append({str(k): v for k, v in pr.items()})
                     recs = _cell_records(w, index, ranks)
                     _collect_extra(extra, recs, roles, rep)
+                    for rec in recs.values():
+                        if rec and rec.get("graph") is not None:
+                            extra["graph"] = bool(rec["graph"])
                 ok = [x for x in lats if x is not None]
                 status = "ok" if len(ok) == repeats else ("partial" if ok else
                                                           next((s for s in sts if s != "ok"),
@@ -366,7 +369,9 @@ def markdown(doc: Dict[str, Any]) -> str:
                 else:
                     s = _fmt_us(r["latency_us"])
                     cells.append(s + ("*" if r["status"] != "ok" else ""))
-            lines.append(f"| {arm}, µs | " + " | ".join(cells) + " |")
+            eager = any(r["arm"] == arm and r.get("graph") is False for r in sub)
+            label = f"{arm} (eager, no graph)" if eager else arm
+            lines.append(f"| {label}, µs | " + " | ".join(cells) + " |")
         for a_arm, b_arm in COMPARISONS:
             if a_arm not in arms or b_arm not in arms:
                 continue

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--queue-ahead-us", type=float, default=0.0,
                    help="enqueue a ~N µs sleep kernel before the start event on Attention "
                         "ranks, so host graph-launch time is not measured (0 = off)")
+    m.add_argument("--eager-arms", nargs="*", choices=ARMS, default=[],
+                   help="fallback: time these arms' steps eagerly instead of as CUDA graph "
+                        "replays (rows say graph: false; the tables mark them)")
     m.add_argument("--eager-steps", type=int, default=2,
                    help="eager exchanges before capture (checked on Attention ranks)")
     m.add_argument("--seed", type=int, default=1234)
@@ -242,6 +245,10 @@ def _cmd(argv: List[str], timeout: float = 20.0) -> Optional[str]:
 
 
 def git_commit() -> str:
+    """HEAD, + "-dirty" when the tree differs from it (benchmarks/results/ aside). Where the
+    tree is a copy without .git, AFDEP_COMMIT names it."""
+    if os.environ.get("AFDEP_COMMIT"):
+        return os.environ["AFDEP_COMMIT"]
     head = _cmd(["git", "rev-parse", "HEAD"]) or "unknown"
     status = _cmd(["git", "status", "--porcelain"])
     if status:
@@ -434,6 +441,7 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "seed": args.seed, "check_tol": args.check_tol, "out_dir": out_dir,
             "attention_delay_us": 0.0 if args.cpu_smoke else args.attention_delay_us,
             "queue_ahead_us": 0.0 if args.cpu_smoke else args.queue_ahead_us,
+            "eager_arms": list(args.eager_arms),
             "device": "cpu" if args.cpu_smoke else "cuda",
             "inject": parse_inject(os.environ.get("AFDEP_BENCH_INJECT", ""))}
     env = dict(BASE_ENV)
