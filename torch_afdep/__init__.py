@@ -18,3 +18,9 @@ __all__ = [
     "afd_dispatch", "afd_combine", "afd_receive", "afd_reply",
     "AfdepError", "AfdepRouteError", "AfdepStateError", "AfdepTimeoutError",
 ]
+
+# Register the "afdep" c10d backend (idempotent); fails loudly when torch_afdep._C was built
+# against another torch.
+from .distributed import backend as _backend  # noqa: E402
+
+_backend.register_backend()
