@@ -688,9 +688,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress.close()
         doc = doc_now(final=True)
         report.write_json(paths["json"], doc)
-        report.write_markdown(paths["md"], doc)
-        plot_note = "plot disabled (--no-plot)" if args.no_plot else \
-            report.write_plot(paths["png"], doc)
+        try:
+            report.write_markdown(paths["md"], doc)
+        except Exception as e:  # noqa: BLE001  (the JSON is what matters)
+            doc["notes"].append(f"Markdown failed: {type(e).__name__}: {e}")
+        try:
+            plot_note = "plot disabled (--no-plot)" if args.no_plot else \
+                report.write_plot(paths["png"], doc)
+        except Exception as e:  # noqa: BLE001
+            plot_note = f"plot failed: {type(e).__name__}: {e}"
         if plot_note:
             doc["notes"].append(plot_note)
             report.write_json(paths["json"], doc)
@@ -698,7 +704,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             dst = os.path.join(args.out_dir, f"{stem}-raw")
             shutil.copytree(work_dir, dst, dirs_exist_ok=True)
         shutil.rmtree(work_dir, ignore_errors=True)
-    print(report.markdown(doc))
+    try:
+        print(report.markdown(doc))
+    except Exception:  # noqa: BLE001
+        pass
     print(f"\nwrote {paths['json']}\n      {paths['md']}"
           + ("" if plot_note else f"\n      {paths['png']}"))
     bad = [r for r in doc["results"] if r["status"] not in ("ok", "skipped")]
