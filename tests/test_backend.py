@@ -82,7 +82,7 @@ def test_resolve_roles(monkeypatch):
 def test_backend_object_in_process():
     store = dist.HashStore()
     gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
-    b = ad.AfdepBackend(0, 1, ["attention"], gloo)
+    b = ad.make_backend(0, 1, ["attention"], gloo)
     assert isinstance(b, torch._C._distributed_c10d.Backend)
     assert b.name() == "afdep"
     assert b.roles() == ["attention"] and b.role() == "attention"
@@ -107,11 +107,21 @@ def test_backend_object_in_process():
         b._end_coalescing()
 
     with pytest.raises(ValueError, match="roles has 2 entries"):
-        ad.AfdepBackend(0, 1, ["ffn", "ffn"], gloo)
+        ad.make_backend(0, 1, ["ffn", "ffn"], gloo)
     with pytest.raises(ValueError, match="must be 'attention' or 'ffn'"):
-        ad.AfdepBackend(0, 1, ["expert"], gloo)
+        ad.make_backend(0, 1, ["expert"], gloo)
     with pytest.raises(ValueError, match="inner backend is rank 0 of 1"):
-        ad.AfdepBackend(1, 2, ["ffn", "attention"], gloo)
+        ad.make_backend(1, 2, ["ffn", "attention"], gloo)
+    assert _C.invalid_reason(0, 1, ["ffn"], gloo) == ""
+    # the class itself never raises in its constructor; an invalid one raises on use
+    bad = _C.AfdepBackend(0, 1, ["ffn", "ffn"], gloo)
+    with pytest.raises(ValueError, match="roles has 2 entries"):
+        bad.check()
+    with pytest.raises(ValueError, match="roles has 2 entries"):
+        bad.allreduce([torch.ones(1)])
+    with pytest.raises(ValueError, match="roles has 2 entries"):
+        bad.role()
+    b.check()
 
 
 def test_bad_pg_options_type():

@@ -135,8 +135,7 @@ class JoinedWork : public c10d::Work {
 
 class AfdepBackend : public c10d::Backend {
  public:
-  // Why the arguments cannot make a backend, or "" when they can. Checked before
-  // construction (see create()) so that the constructor itself never throws.
+  // Why the arguments cannot make a valid backend, or "" when they can.
   static std::string invalidReason(
       int rank,
       int size,
@@ -186,20 +185,10 @@ class AfdepBackend : public c10d::Backend {
     return "";
   }
 
-  // Throws c10::ValueError (Python ValueError) on invalid arguments.
-  static c10::intrusive_ptr<AfdepBackend> create(
-      int rank,
-      int size,
-      std::vector<std::string> roles,
-      c10::intrusive_ptr<c10d::Backend> cpuInner,
-      c10::intrusive_ptr<c10d::Backend> cudaInner) {
-    auto why = invalidReason(rank, size, roles, cpuInner, cudaInner);
-    TORCH_CHECK_VALUE(why.empty(), why);
-    return c10::make_intrusive<AfdepBackend>(
-        rank, size, std::move(roles), std::move(cpuInner), std::move(cudaInner));
-  }
-
-  // Use create(): the arguments must satisfy invalidReason() == "".
+  // Never throws: invalid arguments make a backend whose every use raises
+  // ValueError with invalidReason(). (Throwing out of the Python constructor
+  // crashed the interpreter with torch 2.11's pybind11, so the Python side
+  // checks invalid_reason() before constructing; see backend.py.)
   AfdepBackend(
       int rank,
       int size,
@@ -210,7 +199,13 @@ class AfdepBackend : public c10d::Backend {
         roles_(std::move(roles)),
         cpu_(std::move(cpuInner)),
         cuda_(std::move(cudaInner)) {
+    invalid_ = invalidReason(rank, size, roles_, cpu_, cuda_);
     init();
+  }
+
+  // Raises ValueError when the backend was constructed from invalid arguments.
+  void check() const {
+    TORCH_CHECK_VALUE(invalid_.empty(), invalid_);
   }
 
   const std::vector<std::string>& roles() const {
@@ -218,6 +213,7 @@ class AfdepBackend : public c10d::Backend {
   }
 
   const std::string& role() const {
+    check();
     return roles_[getRank()];
   }
 
@@ -236,6 +232,7 @@ class AfdepBackend : public c10d::Backend {
   }
 
   void setTimeout(std::chrono::milliseconds timeout) override {
+    check();
     cpu_->setTimeout(timeout);
     if (cuda_) {
       cuda_->setTimeout(timeout);
@@ -246,21 +243,27 @@ class AfdepBackend : public c10d::Backend {
     if (cuda_) {
       cuda_->abort();
     }
-    cpu_->abort();
+    if (cpu_) {
+      cpu_->abort();
+    }
   }
 
   void shutdown() override {
     if (cuda_) {
       cuda_->shutdown();
     }
-    cpu_->shutdown();
+    if (cpu_) {
+      cpu_->shutdown();
+    }
   }
 
   void setSequenceNumberForGroup() override {
+    check();
     cpu_->setSequenceNumberForGroup();
   }
 
   uint64_t getSequenceNumberForGroup() override {
+    check();
     return cpu_->getSequenceNumberForGroup();
   }
 
@@ -476,6 +479,7 @@ class AfdepBackend : public c10d::Backend {
   // cannot pick a wrong GPU.
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts) override {
+    check();
     auto bound = getBoundDeviceId();
     bool c = cuda_ &&
         ((bound.has_value() && bound->is_cuda()) || !opts.device_ids.empty());
@@ -490,12 +494,14 @@ class AfdepBackend : public c10d::Backend {
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks)
       override {
+    check();
     cpu_->monitoredBarrier(opts, waitAllRanks);
   }
 
  private:
   // The inner backend for an op; CUDA tensors need the CUDA inner.
   c10d::Backend* pick(bool cuda, const char* op) {
+    check();
     if (!cuda) {
       return cpu_.get();
     }
@@ -529,6 +535,7 @@ class AfdepBackend : public c10d::Backend {
   }
 
   std::vector<std::string> roles_;
+  std::string invalid_;
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   bool coalescing_ = false;
@@ -544,6 +551,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");
 
   m.attr("TORCH_VERSION") = py::str(afdep::kTorchVersion);
+
+  m.def(
+      "invalid_reason",
+      [](int rank,
+         int size,
+         const std::vector<std::string>& roles,
+         const c10::intrusive_ptr<c10d::Backend>& cpuInner,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> cudaInner) {
+        c10::intrusive_ptr<c10d::Backend> cuda;
+        if (cudaInner.has_value()) {
+          cuda = std::move(*cudaInner);
+        }
+        return afdep::AfdepBackend::invalidReason(rank, size, roles, cpuInner, cuda);
+      },
+      "Why AfdepBackend(rank, size, roles, cpu_inner, cuda_inner) would be invalid, "
+      "or '' when it is valid.",
+      py::arg("rank"),
+      py::arg("size"),
+      py::arg("roles"),
+      py::arg("cpu_inner"),
+      py::arg("cuda_inner") = py::none());
 
   py::class_<
       afdep::AfdepBackend,
@@ -563,13 +591,6 @@ ops on CUDA tensors go to cuda_inner (NCCL), all others to cpu_inner (gloo).)")
             if (cudaInner.has_value()) {
               cuda = std::move(*cudaInner);
             }
-            // Raised here, as a pybind11 error, rather than through torch's
-            // translation of C++ exceptions thrown inside a constructor.
-            auto why = afdep::AfdepBackend::invalidReason(
-                rank, size, roles, cpuInner, cuda);
-            if (!why.empty()) {
-              throw py::value_error(why);
-            }
             return c10::make_intrusive<afdep::AfdepBackend>(
                 rank, size, std::move(roles), std::move(cpuInner), std::move(cuda));
           }),
@@ -578,6 +599,10 @@ ops on CUDA tensors go to cuda_inner (NCCL), all others to cpu_inner (gloo).)")
           py::arg("roles"),
           py::arg("cpu_inner"),
           py::arg("cuda_inner") = py::none())
+      .def(
+          "check",
+          &afdep::AfdepBackend::check,
+          "Raise ValueError if the constructor's arguments were invalid.")
       .def(
           "roles",
           [](const afdep::AfdepBackend& self) { return self.roles(); },

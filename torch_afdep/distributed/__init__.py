@@ -15,6 +15,7 @@ from .backend import (
     afdep_backend,
     default_roles,
     is_registered,
+    make_backend,
     register_backend,
     resolve_roles,
     roles_of,
@@ -34,6 +35,6 @@ def __getattr__(name):
 
 __all__ = [
     "BACKEND_NAME", "ROLES_ENV", "AfdepBackend", "AfdepOptions", "afdep_backend",
-    "default_roles", "is_registered", "register_backend", "resolve_roles", "roles_of",
+    "default_roles", "is_registered", "make_backend", "register_backend", "resolve_roles", "roles_of",
     *_MESH_NAMES,
 ]

@@ -169,6 +169,21 @@ def resolve_roles(
     return default_roles(size)
 
 
+def make_backend(rank: int, size: int, roles: Sequence[str], cpu_inner, cuda_inner=None):
+    """``_C.AfdepBackend(rank, size, roles, cpu_inner, cuda_inner)``, raising ValueError on
+    invalid arguments.
+
+    Use this rather than the class itself: the C++ constructor never raises (an exception
+    thrown out of it crashed the interpreter with torch 2.11's pybind11); an AfdepBackend
+    built from invalid arguments raises ValueError on every use instead.
+    """
+    roles = list(roles)
+    why = _C.invalid_reason(rank, size, roles, cpu_inner, cuda_inner)
+    if why:
+        raise ValueError(why)
+    return _C.AfdepBackend(rank, size, roles, cpu_inner, cuda_inner)
+
+
 def _as_options(backend_options: Any) -> AfdepOptions:
     if backend_options is None:
         return AfdepOptions()
@@ -226,7 +241,7 @@ def _create(dist_backend_opts, backend_options) -> "AfdepBackend":
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = _make_nccl(store, rank, size, timeout, group_name, global_ranks, options)
 
-    backend = _C.AfdepBackend(rank, size, list(roles), cpu, cuda)
+    backend = make_backend(rank, size, roles, cpu, cuda)
     with _lock:
         _roles_by_group[group_name] = tuple(roles)
     return backend
@@ -315,5 +330,5 @@ def afdep_backend(group=None, device: str = "cpu") -> Optional["AfdepBackend"]:
 
 __all__ = [
     "AfdepBackend", "AfdepOptions", "BACKEND_NAME", "ROLES_ENV", "afdep_backend",
-    "default_roles", "is_registered", "register_backend", "resolve_roles", "roles_of",
+    "default_roles", "is_registered", "make_backend", "register_backend", "resolve_roles", "roles_of",
 ]
