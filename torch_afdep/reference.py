@@ -19,6 +19,18 @@ def dequantize(x: torch.Tensor, x_scales: torch.Tensor | None) -> torch.Tensor:
     return xf * s
 
 
+def to_payload(config: Config, x32: torch.Tensor):
+    """Float rows [T, H] -> (x [T, H] in ``config.dtype``, x_scales [T, H/128] float32 or
+    None): BF16 as is, FP8 E4M3 with one scale per 128 elements (block amax / 448)."""
+    if config.dtype != torch.float8_e4m3fn:
+        return x32.to(torch.bfloat16), None
+    t = x32.shape[0]
+    blocks = x32.view(t, config.hidden_size // FP8_BLOCK, FP8_BLOCK)
+    scales = (blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0).to(torch.float32)
+    x = (blocks / scales[:, :, None]).view(t, config.hidden_size).to(torch.float8_e4m3fn)
+    return x, scales
+
+
 def dedupe(expert_ids: torch.Tensor) -> torch.Tensor:
     """[T, k] int64 copy of ``expert_ids`` where a repeated id within a token becomes -1
     (the contract counts a duplicated expert once: its first occurrence)."""

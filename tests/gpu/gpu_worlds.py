@@ -31,15 +31,7 @@ def make_config(kw) -> Config:
 def make_inputs(cfg, a: int, tokens: int, routing: str, seed: int, bad_ids: bool = False):
     """Attention index a's inputs for one exchange (identical on every rank for a seed)."""
     g = torch.Generator().manual_seed(seed * 1009 + a * 7919 + 17)
-    x32 = torch.randn(tokens, cfg.hidden_size, generator=g)
-    if cfg.dtype == torch.float8_e4m3fn:
-        blocks = x32.view(tokens, cfg.hidden_size // 128, 128)
-        amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
-        scales = (amax / 448.0).to(torch.float32)
-        x = (blocks / scales[:, :, None]).view(tokens, cfg.hidden_size).to(torch.float8_e4m3fn)
-    else:
-        scales = None
-        x = x32.to(torch.bfloat16)
+    x, scales = ref.to_payload(cfg, torch.randn(tokens, cfg.hidden_size, generator=g))
     ids, w = ref.random_routing(cfg, tokens, routing, generator=g)
     if bad_ids and tokens > 0:
         ids = ids.clone()
