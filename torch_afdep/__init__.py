@@ -19,8 +19,27 @@ __all__ = [
     "AfdepError", "AfdepRouteError", "AfdepStateError", "AfdepTimeoutError",
 ]
 
-# Register the "afdep" c10d backend (idempotent); fails loudly when torch_afdep._C was built
-# against another torch.
-from .distributed import backend as _backend  # noqa: E402
 
-_backend.register_backend()
+def _register_backend() -> None:
+    """Register the "afdep" c10d backend (idempotent). When torch_afdep._C is missing or was
+    built against another torch, the package still imports (the CPU contract and
+    ``python -m torch_afdep doctor`` work) and the backend raises that ImportError when a
+    process group asks for it."""
+    try:
+        from .distributed import backend
+    except ImportError as err:
+        import torch.distributed as dist
+
+        reason = err
+
+        def _unavailable(*_args, **_kwargs):
+            raise ImportError(f"the 'afdep' c10d backend is unavailable: {reason}")
+
+        if "AFDEP" not in getattr(dist.Backend, "_plugins", {}):
+            dist.Backend.register_backend("afdep", _unavailable, extended_api=True,
+                                          devices=["cpu", "cuda"])
+        return
+    backend.register_backend()
+
+
+_register_backend()
