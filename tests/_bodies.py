@@ -21,29 +21,35 @@ def _attn_inputs(cfg, t, seed):
 
 
 def opcheck_body(rank, world):
-    """opcheck every op; the two roles run paired ops so each real call has a partner."""
+    """opcheck every op; the two roles run paired ops so each real call has a partner.
+
+    opcheck calls one op several times in a row, so the per-slot order checks are off here."""
+    from torch_afdep.ops import _order_checks_off
+
     cfg = Config(**SMALL)
     buf = Buffer(None, cfg, device="cpu")
     out = {}
     utils = ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
     opcheck = torch.library.opcheck
-    if buf.role == "attention":
-        x, ids, w = _attn_inputs(cfg, 5, 1)
-        out["dispatch"] = opcheck(torch.ops.afdep.dispatch.default,
-                                  (buf.state, x, ids, w, None, buf.group_name, 0, 8),
-                                  test_utils=utils)
-        route = torch.ops.afdep.dispatch(buf.state, x, ids, w, None, buf.group_name, 0, 8)
-        out["combine"] = opcheck(torch.ops.afdep.combine.default,
-                                 (buf.state, route, buf.group_name, 0), test_utils=utils)
-    else:
-        out["receive"] = opcheck(torch.ops.afdep.receive.default,
-                                 (buf.state, buf.group_name, 0, 8), test_utils=utils)
-        rec = torch.ops.afdep.receive(buf.state, buf.group_name, 0, 8)
-        rows = torch.randn(rec[0].shape).bfloat16()
-        out["reply"] = opcheck(torch.ops.afdep.reply.default,
-                               (buf.state, rows, rec[6], rec[7], rec[8], buf.group_name, 0),
-                               test_utils=utils)
+    with _order_checks_off():
+        if buf.role == "attention":
+            x, ids, w = _attn_inputs(cfg, 5, 1)
+            out["dispatch"] = opcheck(torch.ops.afdep.dispatch.default,
+                                      (buf.state, x, ids, w, None, buf.group_name, 0, 8, 1),
+                                      test_utils=utils)
+            route = torch.ops.afdep.dispatch(buf.state, x, ids, w, None, buf.group_name, 0, 8,
+                                             1)
+            out["combine"] = opcheck(torch.ops.afdep.combine.default,
+                                     (buf.state, route, buf.group_name, 0, 1), test_utils=utils)
+        else:
+            out["receive"] = opcheck(torch.ops.afdep.receive.default,
+                                     (buf.state, buf.group_name, 0, 8, 1), test_utils=utils)
+            rec = torch.ops.afdep.receive(buf.state, buf.group_name, 0, 8, 1)
+            rows = torch.randn(rec[0].shape).bfloat16()
+            out["reply"] = opcheck(torch.ops.afdep.reply.default,
+                                   (buf.state, rows, rec[6], rec[7], rec[8], buf.group_name, 0,
+                                    1), test_utils=utils)
     buf.close()
     return out
 
@@ -252,3 +258,289 @@ def timeout_body(rank, world):
         assert "unusable after an earlier failure" in str(e)
     buf.close()
     return info
+
+
+# ---- torch_afdep.nn ---------------------------------------------------------------------
+NN_CFG = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=8, top_k=2,
+              ffn_ranks=2, attention_ranks=1, timeout_s=60.0)
+NN_INTER = 64
+
+
+def nn_weights(cfg, inter, seed=5):
+    """Full layer weights (router [E, H], w1, w3 [E, I, H], w2 [E, H, I]), float32 values
+    that bfloat16 holds exactly."""
+    g = torch.Generator().manual_seed(seed)
+    e, h = cfg.num_experts, cfg.hidden_size
+    router = torch.randn(e, h, generator=g) * h ** -0.5
+    w1 = torch.randn(e, inter, h, generator=g) * h ** -0.5
+    w3 = torch.randn(e, inter, h, generator=g) * h ** -0.5
+    w2 = torch.randn(e, h, inter, generator=g) * inter ** -0.5
+    return tuple(t.bfloat16().float() for t in (router, w1, w3, w2))
+
+
+def nn_tokens(cfg, a, step, t):
+    g = torch.Generator().manual_seed(100 * step + a)
+    return torch.randn(t, cfg.hidden_size, generator=g).bfloat16().float()
+
+
+def nn_world_body(rank, world, backend="aot_eager"):
+    """AfdMoE on 1A2F with expert weights as DTensors over the FFN mesh: eager with every
+    expert method, compiled fullgraph (one and two micro-batch slots), FP8 payloads; the
+    Attention rank checks every output against the single-process fp64 layer."""
+    torch.set_num_threads(1)  # several ranks share few cores
+    from torch_afdep.distributed import role_meshes, shard_experts
+    from torch_afdep.nn import AfdMoE, quantize_fp8, reference_layer, reference_moe
+
+    cfg = Config(**NN_CFG)
+    meshes = role_meshes(cfg, "cpu")
+    buf = Buffer(None, cfg, device="cpu")
+    router_w, w1, w3, w2 = nn_weights(cfg, NN_INTER)
+    moe = AfdMoE(buf, NN_INTER, dtype=torch.bfloat16)
+    ffn = buf.role == "ffn"
+    if ffn:
+        moe.load_weights(w1=shard_experts(w1, meshes.ffn_mesh),
+                         w3=shard_experts(w3, meshes.ffn_mesh),
+                         w2=shard_experts(w2, meshes.ffn_mesh))
+    else:
+        moe.load_weights(router_w)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(backend)(gm, example_inputs)
+
+    res = {"role": buf.role, "errors": {}, "methods": []}
+    a = buf.role_index
+
+    def check(name, x, out, ids, w):
+        want = reference_moe(x, ids, w, w1, w3, w2)
+        err = ref.relative_error(out, want)
+        res["errors"].setdefault(name, []).append(err)
+        return want
+
+    step = 0
+    # Eager: every expert method gives the layer (FFN side switches, Attention the same call).
+    for method in ("grouped", "dense", "loop"):
+        if ffn:
+            moe.experts.method = method
+            res["methods"].append(moe.experts.resolved_method())
+            done = moe()
+            assert done.shape == (0,)
+        else:
+            x = nn_tokens(cfg, a, step, 7 if method != "dense" else 0)
+            out, ids, w = moe(x, return_routing=True)
+            assert out.dtype == x.dtype and out.shape == x.shape
+            want = check("eager_" + method, x, out, ids, w)
+            full = reference_layer(x, router_w, w1, w3, w2, cfg.top_k)
+            assert torch.equal(full, want)  # the module routes exactly like the reference
+        step += 1
+    # Compiled, fullgraph.
+    if ffn:
+        moe.experts.method = "auto"
+        serve = torch.compile(lambda: moe(), fullgraph=True, backend=recording)
+        for _ in range(2):
+            serve()
+    else:
+        layer = torch.compile(lambda x: moe(x, return_routing=True), fullgraph=True,
+                              backend=recording)
+        for t in (8, 8):
+            x = nn_tokens(cfg, a, step, t)
+            out, ids, w = layer(x)
+            check("compiled", x, out, ids, w)
+            step += 1
+    res["graphs_one_slot"] = len(graphs)
+    # Compiled two micro-batches on slots 0 and 1, overlapped: d0 d1 c1 c0 | r0 p0 r1 p1.
+    if ffn:
+        def two():
+            moe(slot=0)
+            return moe(slot=1)
+
+        two_c = torch.compile(two, fullgraph=True, backend=recording)
+        two_c()
+    else:
+        def two(x0, x1):
+            r0, ids0, w0 = moe.dispatch(x0, slot=0, return_routing=True)
+            r1, ids1, w1_ = moe.dispatch(x1, slot=1, return_routing=True)
+            o1 = moe.combine(r1, slot=1)
+            o0 = moe.combine(r0, slot=0)
+            return o0, o1, ids0, w0, ids1, w1_
+
+        two_c = torch.compile(two, fullgraph=True, backend=recording)
+        x0, x1 = nn_tokens(cfg, a, step, 8), nn_tokens(cfg, a, step + 1, 5)
+        o0, o1, ids0, w0, ids1, wt1 = two_c(x0, x1)
+        check("compiled_two_slots", x0, o0, ids0, w0)
+        check("compiled_two_slots", x1, o1, ids1, wt1)
+    res["graphs"] = len(graphs)
+    res["grouped_in_graphs"] = ["_grouped_mm" in g for g in graphs]
+    assert all(p == "idle" for p in buf._slot_phase)
+    buf.close()
+
+    # FP8 payloads (quantized per 128 on the Attention rank), float32 parameters.
+    cfg8 = Config(**{**NN_CFG, "dtype": torch.float8_e4m3fn})
+    buf8 = Buffer(None, cfg8, device="cpu")
+    moe8 = AfdMoE(buf8, NN_INTER, dtype=torch.float32)
+    moe8.load_weights(router_w, w1, w3, w2)
+    if ffn:
+        moe8()
+    else:
+        x = nn_tokens(cfg, a, 50, 6)
+        out, ids, w = moe8(x, return_routing=True)
+        q, s = quantize_fp8(x)
+        xq = q.float() * s.repeat_interleave(128, dim=1)
+        want = reference_moe(xq, ids, w, w1, w3, w2)
+        res["errors"]["fp8_fp32_params"] = [ref.relative_error(out, want)]
+    buf8.close()
+    return res
+
+
+# ---- vLLM connector ---------------------------------------------------------------------
+VLLM_LAYERS, VLLM_UBATCHES, VLLM_INTER = 3, 2, 32
+VLLM_TOKENS = (6, 3)  # tokens per micro-batch on every Attention rank
+
+
+def fake_vllm_config(role, role_rank, num_attention=2, num_ffn=2, **extra):
+    """A stand-in VllmConfig: model sizes in hf_config, the plugin's AFD config in
+    additional_config["afd"]."""
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                         num_hidden_layers=VLLM_LAYERS)
+    afd = {"enabled": True, "connector": "afdep", "role": role,
+           "num_attention_ranks": num_attention, "num_ffn_ranks": num_ffn,
+           "afd_role_rank": role_rank, "host": "127.0.0.1", "port": 29655,
+           "extra_config": {"capacity_tokens_per_rank": 8, "num_ubatches": VLLM_UBATCHES,
+                            "timeout_s": 60.0, **extra}}
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf),
+                           additional_config={"afd": afd})
+
+
+def vllm_layer_weights(layer, hidden=128, experts=8, inter=VLLM_INTER):
+    g = torch.Generator().manual_seed(700 + layer)
+    router = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    attn = torch.randn(hidden, hidden, generator=g) * hidden ** -0.5
+    w1 = torch.randn(experts, inter, hidden, generator=g) * hidden ** -0.5
+    w3 = torch.randn(experts, inter, hidden, generator=g) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    return router, attn, w1, w3, w2
+
+
+def vllm_tokens(a, step, ub, t, hidden=128):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * a + ub)
+    return torch.randn(t, hidden, generator=g).bfloat16().float()
+
+
+def vllm_world_body(rank, world, steps=3):
+    """Replay the AFD plugin's call sequence on 1A2F: two micro-batches ping-ponged over
+    several layers, a warm-up step, then a "capture" phase with static inputs and outputs
+    (the connector's preallocated per-slot output, and an engine-owned output tensor). Every
+    layer's output is checked against the single-process fp64 MoE of that layer."""
+    torch.set_num_threads(1)  # several ranks share few cores
+    from torch_afdep import AfdepStateError
+    from torch_afdep.integrations.vllm import AfdepConnector
+    from torch_afdep.nn import SwiGLUExperts, reference_moe, topk_route
+
+    role = "ffn" if rank < 2 else "attention"
+    idx = rank if role == "ffn" else rank - 2
+    conn = AfdepConnector(rank, 0, fake_vllm_config(role, idx, num_attention=world - 2))
+    res = {"role": role, "errors": [], "messages": []}
+
+    def expect(exc, frag, fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except exc as e:
+            assert frag in str(e), (frag, str(e))
+            res["messages"].append(str(e))
+            return
+        raise AssertionError(f"no {exc.__name__} ({frag})")
+
+    expect(AfdepStateError, "init_afd_connector", conn.recv_ffn_output
+           if role == "attention" else conn.recv_attn_output)
+    conn.init_afd_connector()
+    assert conn.is_initialized and conn.buffer.config.num_slots == VLLM_UBATCHES
+    weights = [vllm_layer_weights(l) for l in range(VLLM_LAYERS)]
+    L, U = VLLM_LAYERS, VLLM_UBATCHES
+    if role == "attention":
+        expect(AfdepStateError, "nothing was sent on ubatch 1", conn.recv_ffn_output,
+               ubatch_idx=1)
+        expect(ValueError, "ubatch_idx must be in [0, 2)", conn.send_attn_output,
+               torch.zeros(1, 128), None, 2, topk_ids=torch.zeros(1, 2, dtype=torch.int64),
+               topk_weights=torch.ones(1, 2))
+        expect(AfdepStateError, "for ffn ranks", conn.recv_attn_output)
+        static_x = [torch.zeros(t, 128) for t in VLLM_TOKENS]
+        engine_out = torch.zeros(VLLM_TOKENS[1], 128, dtype=torch.bfloat16)
+        ptrs = {}
+        for step in range(steps):
+            capture = step > 0  # warm-up step, then "captured" steps on static tensors
+            h = []
+            for ub, t in enumerate(VLLM_TOKENS):
+                x = vllm_tokens(idx, step, ub, t)
+                if capture:
+                    static_x[ub].copy_(x)
+                    x = static_x[ub]
+                h.append(x)
+            layer_in = [None] * U
+
+            def attention_and_send(layer, ub):
+                router, attn, *_ = weights[layer]
+                hh = (h[ub] + 0.5 * torch.tanh(h[ub] @ attn.T)).bfloat16().float()
+                ids, w = topk_route(hh, router, 2)
+                layer_in[ub] = (hh, ids, w)
+                meta = {"layer_idx": layer, "stage_idx": ub, "topk_idx": ids,
+                        "topk_weights": w}
+                return conn.send_attn_output(hh, meta, ubatch_idx=ub)
+
+            handles = [attention_and_send(0, ub) for ub in range(U)]
+            if step == 0:
+                expect(AfdepStateError, "ubatch 0 was sent and not received",
+                       conn.send_attn_output, h[0], {"topk_ids": layer_in[0][1],
+                                                     "topk_weights": layer_in[0][2]}, 0)
+            for layer in range(L):
+                for ub in range(U):
+                    if capture and ub == 1:
+                        out = conn.recv_ffn_output(engine_out, ubatch_idx=ub)
+                        assert out is engine_out
+                    elif capture:
+                        out = conn.recv_ffn_output(None, ubatch_idx=ub)
+                        key = (layer, ub)
+                        ptrs.setdefault(ub, set()).add(out.data_ptr())
+                    else:
+                        out = conn.recv_ffn_output(handles[ub])
+                    hh, ids, w = layer_in[ub]
+                    _, _, w1, w3, w2 = weights[layer]
+                    want = reference_moe(hh, ids, w, w1, w3, w2)
+                    res["errors"].append(ref.relative_error(out, want))
+                    h[ub] = hh + out.float()
+                    if layer + 1 < L:
+                        handles[ub] = attention_and_send(layer + 1, ub)
+        res["stable_outputs"] = {ub: len(p) for ub, p in ptrs.items()}
+    else:
+        expect(AfdepStateError, "pass the metadata", conn.send_ffn_output,
+               torch.zeros(1, 128))
+        el = conn.config.experts_per_rank
+        experts = []
+        for layer in range(L):
+            ex = SwiGLUExperts(el, 128, VLLM_INTER, dtype=torch.float32)
+            _, _, w1, w3, w2 = weights[layer]
+            ex.load(*(t[idx * el:(idx + 1) * el] for t in (w1, w3, w2)))
+            experts.append(ex)
+        seen = []
+        for step in range(steps):
+            for layer in range(L):
+                for ub in range(U):
+                    rows, meta = conn.recv_attn_output()
+                    seen.append((meta.layer_idx, meta.ubatch_idx))
+                    assert meta.local_expert_start == idx * el
+                    ex = experts[meta.layer_idx]
+                    if layer % 2:  # the model applies the weights itself
+                        y = ex(rows, meta.topk_weights, meta.expert_offsets, meta.x_scales)
+                        meta.weights_applied = True
+                    else:  # unweighted rows: the connector applies them
+                        ones = torch.ones_like(meta.topk_weights)
+                        y = ex(rows, ones, meta.expert_offsets, meta.x_scales)
+                    conn.send_ffn_output(y, meta, ubatch_idx=ub)
+        assert seen == [(l, u) for _ in range(steps) for l in range(L) for u in range(U)], seen
+    conn.close()
+    conn.close()  # idempotent
+    return res

@@ -129,3 +129,226 @@ def check_received(cfg, f, rec, all_inputs, bucket):
             for row in rows:
                 assert a_ranks.index(int(rec.src_rank[row])) == a
                 assert int(rec.src_token[row]) == int(rec.receipt.token_index[a, s_])
+
+
+# ---- micro-batch slots ------------------------------------------------------------------
+def slot_inputs(cfg, exchanges):
+    """Inputs of every exchange of a slot plan, per Attention index (same on every rank)."""
+    return [[make_inputs(cfg, a, ex["tokens"][a], ex["routing"], ex["seed"])
+             for a in range(cfg.attention_ranks)] for ex in exchanges]
+
+
+def run_slot_plan(bufs, exchanges, attn_orders, ffn_orders, api="buffer"):
+    """Run exchanges on micro-batch slots in a per-rank order and check each against the
+    reference.
+
+    ``bufs``: a Buffer or a list of Buffers of one group (same Config but for num_slots).
+    ``exchanges[i]``: dict(slot, bucket, tokens [per Attention index], routing, seed, and
+    optionally buffer: index into bufs).
+    ``attn_orders[a]`` / ``ffn_orders[f]``: list of ("d"ispatch | "c"ollect, i) and
+    ("r"eceive | "p" reply, i): the order that rank runs its half of the exchanges in.
+    ``api``: "buffer" (role methods) or "ops" (the afd_* wrappers).
+    Returns the Attention ranks' relative errors (FFN ranks: expert row counts)."""
+    bufs = bufs if isinstance(bufs, (list, tuple)) else [bufs]
+    buf0 = bufs[0]
+    cfg = buf0.config
+    inputs = slot_inputs(cfg, exchanges)
+    results = []
+
+    def pick(ex):
+        b = bufs[ex.get("buffer", 0)]
+        return b, dict(group=b.group_name, buffer_id=b.buffer_id)
+
+    if buf0.role == "attention":
+        routes = {}
+        for op, i in attn_orders[buf0.role_index]:
+            ex = exchanges[i]
+            buf, kw = pick(ex)
+            x, ids, w, s = inputs[i][buf.role_index]
+            if op == "d":
+                if api == "buffer":
+                    buf.source_dispatch(x, ids, w, ex["bucket"], s, slot=ex["slot"])
+                else:
+                    routes[i] = torch_afdep.afd_dispatch(x, ids, w, bucket=ex["bucket"],
+                                                         x_scales=s, slot=ex["slot"], **kw)
+                continue
+            assert op == "c", op
+            if api == "buffer":
+                out = buf.source_collect(slot=ex["slot"])
+            else:
+                out = torch_afdep.afd_combine(routes.pop(i), slot=ex["slot"], **kw)
+            want = ref.moe_output(cfg, x, ids, w, expert_fn, s)
+            results.append(ref.relative_error(out, want))
+            assert out.shape == (x.shape[0], cfg.hidden_size)
+            if x.shape[0]:
+                assert torch.allclose(out.double(), want, atol=3e-2, rtol=3e-2), (i, ex)
+    else:
+        f = buf0.role_index
+        open_ = {}
+        for op, i in ffn_orders[f]:
+            ex = exchanges[i]
+            buf, kw = pick(ex)
+            if op == "r":
+                if api == "buffer":
+                    rec = buf.worker_receive(ex["bucket"], slot=ex["slot"])
+                else:
+                    rec = torch_afdep.afd_receive(bucket=ex["bucket"], slot=ex["slot"], **kw)
+                assert rec.receipt.slot == ex["slot"]
+                check_received(cfg, f, rec, inputs[i], ex["bucket"])
+                open_[i] = rec
+                continue
+            assert op == "p", op
+            rec = open_.pop(i)
+            # Receiving other slots in between left this exchange's rows untouched.
+            check_received(cfg, f, rec, inputs[i], ex["bucket"])
+            rows = ffn_compute(cfg, f, rec)
+            if api == "buffer":
+                buf.worker_reply(rows, rec.receipt)
+            else:
+                torch_afdep.afd_reply(rows, rec.receipt, **kw)
+            offs = rec.expert_offsets
+            results.append((offs[1:] - offs[:-1]).tolist())
+    return results
+
+
+SLOT_CFG = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=8, top_k=3,
+                ffn_ranks=2, attention_ranks=2, timeout_s=30.0)
+
+
+def _ex(slot, bucket, tokens, routing, seed, buffer=0):
+    return dict(slot=slot, bucket=bucket, tokens=tokens, routing=routing, seed=seed,
+                buffer=buffer)
+
+
+# Round 1 on 2 slots, round 2 on 3 slots (slots 0 and 1 reused), different buckets, token
+# counts and routings per exchange; each rank runs its own interleaving.
+SLOT_EXCHANGES = [
+    _ex(0, 8, [8, 3], "random", 11), _ex(1, 8, [5, 0], "skewed", 12),
+    _ex(0, 7, [7, 1], "partial", 13), _ex(1, 8, [2, 8], "random", 14),
+    _ex(2, 4, [4, 4], "skewed", 15),
+]
+SLOT_ATTN_ORDERS = [
+    [("d", 0), ("d", 1), ("c", 1), ("c", 0), ("d", 2), ("d", 3), ("d", 4),
+     ("c", 4), ("c", 2), ("c", 3)],
+    [("d", 1), ("d", 0), ("c", 0), ("c", 1), ("d", 4), ("d", 2), ("d", 3),
+     ("c", 3), ("c", 4), ("c", 2)],
+]
+SLOT_FFN_ORDERS = [
+    [("r", 0), ("r", 1), ("p", 1), ("p", 0), ("r", 2), ("r", 3), ("r", 4),
+     ("p", 3), ("p", 2), ("p", 4)],
+    [("r", 1), ("r", 0), ("p", 0), ("p", 1), ("r", 4), ("r", 3), ("r", 2),
+     ("p", 2), ("p", 4), ("p", 3)],
+]
+# Two buffers of one group (3 and 2 slots) interleaved: tag ranges must not collide.
+CROSS_EXCHANGES = [
+    _ex(1, 8, [6, 2], "random", 21, buffer=0), _ex(1, 8, [3, 7], "random", 22, buffer=1),
+    _ex(0, 8, [8, 8], "skewed", 23, buffer=1), _ex(2, 8, [1, 5], "partial", 24, buffer=0),
+]
+CROSS_ATTN = [[("d", 0), ("d", 1), ("d", 2), ("d", 3), ("c", 3), ("c", 1), ("c", 2), ("c", 0)]] * 2
+CROSS_FFN = [[("r", 2), ("r", 0), ("r", 3), ("r", 1), ("p", 1), ("p", 3), ("p", 0), ("p", 2)]] * 2
+
+
+def _expect(exc_type, fragment, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        assert fragment in str(e), f"{fragment!r} not in {e!r}"
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__} "
+                         f"({fragment!r})")
+
+
+def slots_world_body(rank, world):
+    """Every slot check that needs a world, in one 2A2F world (see tests/test_slots.py)."""
+    torch.set_num_threads(1)  # several ranks share few cores
+    from torch_afdep import AfdepStateError, Buffer, Config
+
+    out = {}
+    # num_slots must agree across ranks (checked before any buffer id is taken).
+    try:
+        Buffer(None, Config(**SLOT_CFG, num_slots=2 + rank % 2), device="cpu")
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    b3 = Buffer(None, Config(**SLOT_CFG, num_slots=3), device="cpu")
+    b2 = Buffer(None, Config(**SLOT_CFG), device="cpu")
+    b1 = Buffer(None, Config(**SLOT_CFG, num_slots=1), device="cpu")
+    bufs = (b3, b2, b1)
+    out["ids"] = [b.buffer_id for b in bufs]
+    out["transports"] = [len(b.transports) for b in bufs]
+    out["tags"] = [t._tag0 for b in bufs for t in b.transports]
+    out["registered_bytes"] = [b.registered_bytes for b in bufs]
+
+    plan3 = SLOT_EXCHANGES
+    plan2 = [dict(ex, slot=ex["slot"] % 2) for ex in SLOT_EXCHANGES[:4]]
+    plan2_orders = ([[o for o in order if o[1] < 4] for order in SLOT_ATTN_ORDERS],
+                    [[o for o in order if o[1] < 4] for order in SLOT_FFN_ORDERS])
+    out["buffer_3_slots"] = run_slot_plan(b3, plan3, SLOT_ATTN_ORDERS, SLOT_FFN_ORDERS)
+    out["ops_3_slots"] = run_slot_plan(b3, plan3, SLOT_ATTN_ORDERS, SLOT_FFN_ORDERS, "ops")
+    out["buffer_2_slots"] = run_slot_plan(b2, plan2, *plan2_orders)
+    out["ops_2_slots"] = run_slot_plan(b2, plan2, *plan2_orders, "ops")
+    out["cross_buffers"] = run_slot_plan([b3, b2], CROSS_EXCHANGES, CROSS_ATTN, CROSS_FFN)
+    plan1 = [dict(ex, slot=0) for ex in plan3[:2]]
+    out["one_slot"] = run_slot_plan(b1, plan1, [[("d", 0), ("c", 0), ("d", 1), ("c", 1)]] * 2,
+                                    [[("r", 0), ("p", 0), ("r", 1), ("p", 1)]] * 2)
+
+    # Misuse: errors before any communication; the buffers stay usable.
+    msgs = []
+    cfg = b3.config
+    inputs = slot_inputs(cfg, [_ex(0, 8, [5, 5], "random", 31), _ex(0, 8, [3, 3], "random", 32)])
+    kw = dict(group=b3.group_name, buffer_id=b3.buffer_id)
+    if b3.role == "attention":
+        for x, ids, w, s in (inputs[0][b3.role_index], inputs[1][b3.role_index]):
+            b3.source_dispatch(x, ids, w, 8, slot=0)
+            msgs += [
+                _expect(AfdepStateError, "twice without source_collect on slot 0",
+                        b3.source_dispatch, x, ids, w, 8, slot=0),
+                _expect(AfdepStateError, "afdep::dispatch: slot 0 still holds a dispatched",
+                        torch_afdep.afd_dispatch, x, ids, w, bucket=8, slot=0, **kw),
+                _expect(AfdepStateError, "without a preceding source_dispatch on slot 1",
+                        b3.source_collect, slot=1),
+                _expect(AfdepStateError, "afdep::combine: no dispatch is open on slot 2",
+                        torch_afdep.afd_combine, torch.zeros(0, dtype=torch.int64), slot=2,
+                        **kw),
+                _expect(ValueError, "slot must be in [0, 2]", b3.source_dispatch, x, ids, w, 8,
+                        slot=3),
+                _expect(ValueError, "slot must be in [0, 2]", torch_afdep.afd_dispatch,
+                        x, ids, w, bucket=8, slot=-1, **kw),
+                _expect(TypeError, "slot must be an int", b3.source_collect, slot=True),
+                _expect(ValueError, "slot must be in [0, 0]", b1.source_collect, slot=1),
+            ]
+            got = b3.source_collect(slot=0)
+            want = ref.moe_output(cfg, x, ids, w, expert_fn, s)
+            assert ref.relative_error(got, want) < 1e-2
+            assert all(p == "idle" for p in b3._slot_phase)
+    else:
+        f = b3.role_index
+        rec = b3.worker_receive(8, slot=0)
+        rows = ffn_compute(cfg, f, rec)
+        msgs += [
+            _expect(AfdepStateError, "twice without worker_reply on slot 0", b3.worker_receive,
+                    8, slot=0),
+            _expect(AfdepStateError, "afdep::receive: slot 0 still holds a received",
+                    torch_afdep.afd_receive, bucket=8, slot=0, **kw),
+            _expect(AfdepStateError, "receipt is from slot 0, not slot 1", b3.worker_reply,
+                    rows, rec.receipt, slot=1),
+            _expect(AfdepStateError, "receipt is from slot 0, not slot 2",
+                    torch_afdep.afd_reply, rows, rec.receipt, slot=2, **kw),
+            _expect(AfdepStateError, "afdep::reply: no receive is open on slot 1",
+                    torch_afdep.afd_reply, rows, rec.receipt._replace(slot=1), **kw),
+            _expect(AfdepStateError, "without a preceding worker_receive on slot 1",
+                    b3.worker_reply, rows, rec.receipt._replace(slot=1)),
+            _expect(ValueError, "slot must be in [0, 2]", b3.worker_reply, rows,
+                    rec.receipt._replace(slot=5)),
+        ]
+        b3.worker_reply(rows, rec.receipt)
+        rec2 = b3.worker_receive(8, slot=0)
+        check_received(cfg, f, rec2, inputs[1], 8)
+        msgs.append(_expect(AfdepStateError, "stale receipt", b3.worker_reply,
+                            ffn_compute(cfg, f, rec2), rec.receipt))
+        b3.worker_reply(ffn_compute(cfg, f, rec2), rec2.receipt)
+        assert rec2.receipt.sequence == rec.receipt.sequence + 1
+    out["messages"] = msgs
+    for b in bufs:
+        b.close()
+    return out

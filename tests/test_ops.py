@@ -38,15 +38,15 @@ def forward(self, L_x_ : torch.Tensor, L_ids_ : torch.Tensor, L_w_ : torch.Tenso
     l_ids_ = L_ids_
     l_w_ = L_w_
     g_state = G_state
-    route = torch.ops.afdep.dispatch(g_state, l_x_, l_ids_, l_w_, None, 'GROUP', 0, 8);  l_x_ = l_ids_ = l_w_ = None
-    combine = torch.ops.afdep.combine(g_state, route, 'GROUP', 0);  g_state = route = None
+    route = torch.ops.afdep.dispatch(g_state, l_x_, l_ids_, l_w_, None, 'GROUP', 0, 8, 0);  l_x_ = l_ids_ = l_w_ = None
+    combine = torch.ops.afdep.combine(g_state, route, 'GROUP', 0, 0);  g_state = route = None
     float_1 = combine.float();  combine = None
     mul = float_1 * 0.5;  float_1 = None
     return (mul,)""")
         self.assertExpectedInline(_normalize(ffn["graphs"][0]), """\
 def forward(self, G_state : torch.Tensor):
     g_state = G_state
-    receive = torch.ops.afdep.receive(g_state, 'GROUP', 0, 8)
+    receive = torch.ops.afdep.receive(g_state, 'GROUP', 0, 8, 0)
     x = receive[0]
     weights = receive[2]
     offsets = receive[3]
@@ -57,7 +57,7 @@ def forward(self, G_state : torch.Tensor):
     getitem_9 = weights[(slice(None, None, None), None)];  weights = None
     mul = float_1 * getitem_9;  float_1 = getitem_9 = None
     rows = mul.bfloat16();  mul = None
-    reply = torch.ops.afdep.reply(g_state, rows, token_rows, token_index, num, 'GROUP', 0);  g_state = rows = token_rows = token_index = num = reply = None
+    reply = torch.ops.afdep.reply(g_state, rows, token_rows, token_index, num, 'GROUP', 0, 0);  g_state = rows = token_rows = token_index = num = reply = None
     return (offsets,)""")
 
     def test_bad_inputs_raise_before_communication(self):

@@ -10,8 +10,12 @@ receive; in combine the reverse. Per (Attention a, FFN f) pair and exchange:
   sent them; a already knows n from its own routing, so no counts flow back.
 
 Gloo delivers messages of one (pair, tag) in order, so consecutive exchanges never mix.
-Sends complete in the background; a transport finishes its pending sends before it starts
-its next phase. Every wait is bounded by ``Config.timeout_s``.
+Every micro-batch slot of a buffer has its own ``CpuTransport`` with its own tag range
+(``tag_base``: buffer id and slot, ``_TAGS_PER_SLOT`` tags each; ranges of different buffers
+and slots never overlap, and process groups have separate gloo contexts), so exchanges in
+different slots can be in flight at once and complete in any order. Sends complete in the
+background; a transport finishes its pending sends before it starts its next phase (only its
+own slot's). Every wait is bounded by ``Config.timeout_s``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,22 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .config import ATTENTION, FFN, Config
+from .config import MAX_SLOTS, Config
 from .errors import AfdepTimeoutError
 
 _TAG_BASE = 0x5AF0
-_TAGS_PER_BUFFER = 4
+_TAGS_PER_SLOT = 4
 _DISPATCH_HEADER, _DISPATCH_BLOB, _COMBINE = 0, 1, 2
+
+
+def tag_base(buffer_id: int, slot: int) -> int:
+    """First gloo tag of (buffer, slot) on its group; the range is ``_TAGS_PER_SLOT`` tags.
+
+    Every buffer reserves ``MAX_SLOTS`` ranges whatever its ``num_slots``, so ranges of
+    different buffers and slots are disjoint."""
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
+    return _TAG_BASE + (buffer_id * MAX_SLOTS + slot) * _TAGS_PER_SLOT
 
 
 def local_routes(config: Config, expert_ids: torch.Tensor, weights: torch.Tensor, f: int):
@@ -68,14 +82,16 @@ def route_bits(config: Config, expert_ids: torch.Tensor) -> torch.Tensor:
 
 
 class CpuTransport:
-    """The CPU exchange of one Buffer. Same interface as ``_cuda_impl.CudaTransport``."""
+    """The CPU exchange of one slot of one Buffer. Same interface as
+    ``_cuda_impl.CudaTransport``."""
 
-    def __init__(self, config: Config, group_rank: int, group, buffer_id: int):
+    def __init__(self, config: Config, group_rank: int, group, buffer_id: int, slot: int = 0):
         self.config = config
         self.rank = group_rank
         self.group = group
         self.role = config.role_of(group_rank)
-        self._tag0 = _TAG_BASE + buffer_id * _TAGS_PER_BUFFER
+        self.slot = slot
+        self._tag0 = tag_base(buffer_id, slot)
         self._pending: List = []
         self._timeout = datetime.timedelta(seconds=float(config.timeout_s))
         h, s = config.hidden_size, config.scale_cols

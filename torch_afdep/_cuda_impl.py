@@ -36,13 +36,19 @@ def _stream(device: torch.device) -> int:
 
 class CudaTransport:
     """One rank's CUDA exchange state (collective to create over ``cpu_group``, a gloo group
-    of the same ranks in the same order)."""
+    of the same ranks in the same order).
+
+    A ``Buffer`` creates one per micro-batch slot (``slot``): each registers its own windows
+    and keeps its own device counters and error block, so exchanges of different slots never
+    share memory or sequence numbers (no kernel change; memory scales with the slot count).
+    """
 
     def __init__(self, config: Config, group_rank: int, device, cpu_group=None,
-                 flags: Optional[int] = None):
+                 flags: Optional[int] = None, slot: int = 0):
         from . import _cuda  # the extension; ImportError when it was not built
 
         self.config = config
+        self.slot = int(slot)
         self.rank = int(group_rank)
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.index is None:
@@ -123,10 +129,12 @@ class CudaTransport:
             phase = _PHASES.get(e["phase"], str(e["phase"]))
             raise AfdepTimeoutError(
                 f"rank {e['rank']} waited longer than {self.config.timeout_s} s for rank "
-                f"{e['peer']} in {phase}", peer=e["peer"], phase=phase, rank=e["rank"])
+                f"{e['peer']} in {phase} (slot {self.slot})", peer=e["peer"], phase=phase,
+                rank=e["rank"])
         if e["route"]:
             kind = _ROUTE_KINDS.get(e["route_kind"], "route error")
-            raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}); the entry was skipped")
+            raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}, slot {self.slot}); the "
+                                  "entry was skipped")
 
     def close(self, clean: bool = True) -> None:
         """Collective and idempotent. ``clean``: meet every peer (bounded by timeout_s) before

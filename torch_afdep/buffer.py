@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,11 @@ class Buffer:
             CUDA and the CUDA extension are available, else CPU.
 
     Attention ranks call ``source_dispatch`` then ``source_collect``; FFN ranks call
-    ``worker_receive`` then ``worker_reply``; one exchange at a time per buffer.
+    ``worker_receive`` then ``worker_reply``. ``config.num_slots`` exchanges (micro-batches)
+    may be in flight at once, one per slot, selected with ``slot=`` (default 0); each slot
+    has its own transport (own gloo tags on CPU, own registered windows and device counters
+    on CUDA), so slots never overwrite each other, and reusing a slot before its exchange
+    finished raises ``AfdepStateError``.
     """
 
     def __init__(self, group=None, config: Optional[Config] = None, device=None):
@@ -78,18 +82,58 @@ class Buffer:
         self.state = torch.zeros(2, dtype=torch.int64)
         self._closed = False
         self._broken: Optional[BaseException] = None
-        self._phase = "idle"
-        self._route: Optional[torch.Tensor] = None
-        self._recv_seq = 0
+        n = config.num_slots
+        #: Per slot: phase (advanced by the ops' real kernels, see ops._enter), the route of
+        #: the open dispatch (Attention) and the receive count (FFN).
+        self._slot_phase: List[str] = ["idle"] * n
+        self._slot_route: List[Optional[torch.Tensor]] = [None] * n
+        self._slot_seq: List[int] = [0] * n
+        #: One transport per micro-batch slot.
+        self.transports: list = []
+        try:
+            for slot in range(n):
+                self.transports.append(self._make_transport(slot))
+        except BaseException:
+            for t in self.transports:
+                try:
+                    t.close(clean=False)
+                except Exception:
+                    pass
+            raise
+        registry.add(self)
+
+    def _make_transport(self, slot: int):
         if self.device.type == "cuda":
             from ._cuda_impl import CudaTransport
 
-            self.transport = CudaTransport(config, self.rank, self.device, self.group)
-        else:
-            from ._cpu_impl import CpuTransport
+            return CudaTransport(self.config, self.rank, self.device, self.group, slot=slot)
+        from ._cpu_impl import CpuTransport
 
-            self.transport = CpuTransport(config, self.rank, self.group, self.buffer_id)
-        registry.add(self)
+        return CpuTransport(self.config, self.rank, self.group, self.buffer_id, slot)
+
+    @property
+    def transport(self):
+        """The transport of slot 0 (``transports[slot]`` for the others)."""
+        return self.transports[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def registered_bytes(self) -> int:
+        """Registered (peer-visible) memory of this rank, summed over slots (0 on CPU)."""
+        return sum(int(t.registered_bytes) for t in self.transports)
+
+    @property
+    def union_bytes(self) -> int:
+        """What the union layout would register, summed over slots (0 on CPU)."""
+        return sum(int(t.union_bytes) for t in self.transports)
+
+    def phase(self, slot: int = 0) -> str:
+        """``"idle"``, ``"dispatched"`` (Attention) or ``"received"`` (FFN) for ``slot``."""
+        self.config.check_slot(slot)
+        return self._slot_phase[slot]
 
     # ---- construction helpers -----------------------------------------------------------
     def _pick_device(self, device) -> torch.device:
@@ -110,7 +154,7 @@ class Buffer:
         all_ = [None] * self.config.world_size
         dist.all_gather_object(all_, mine, group=self.group)
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
-                 "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms")
+                 "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots")
         for r, other in enumerate(all_):
             if other[0] != all_[0][0]:
                 diffs = [f"{n}: {a!r} on rank 0 vs {b!r} on rank {r}"
@@ -132,7 +176,8 @@ class Buffer:
         if self._broken is not None:
             raise AfdepStateError(
                 f"{what}: this Buffer is unusable after an earlier failure: {self._broken}")
-        self.transport.check_error()
+        for t in self.transports:
+            t.check_error()
 
     def _require_role(self, role: str, what: str) -> None:
         self._require_open(what)
@@ -192,6 +237,7 @@ class Buffer:
             raise ValueError(f"receipt belongs to buffer {receipt.buffer_key}, not to this "
                              f"buffer {(self.group_name, self.buffer_id)}")
         cfg = self.config
+        cfg.check_slot(receipt.slot)
         a, b, r = cfg.attention_ranks, receipt.bucket, cfg.rows_per_token
         _check_tensor("rows", rows, (torch.bfloat16,), (cfg.recv_rows(b), cfg.hidden_size),
                       self.device)
@@ -207,16 +253,21 @@ class Buffer:
         unusable rather than leaving a half-done exchange to confuse the next one."""
         try:
             return fn(*args)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, AfdepStateError):
             raise
         except BaseException as e:
             self._broken = e
             raise
 
     # ---- Attention ranks ------------------------------------------------------------------
+    def _slot_arg(self, slot) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        return self.config.check_slot(slot)
+
     def source_dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor,
                         weights: torch.Tensor, bucket: int,
-                        x_scales: Optional[torch.Tensor] = None) -> None:
+                        x_scales: Optional[torch.Tensor] = None, *, slot: int = 0) -> None:
         """Send this rank's tokens to the FFN ranks that hold their experts.
 
         Args:
@@ -226,64 +277,80 @@ class Buffer:
             bucket: static token bucket, T <= bucket <= capacity_tokens_per_rank; every rank
                 of the exchange uses the same bucket.
             x_scales: [T, H/128] float32 per-128 scales, FP8 only.
+            slot: micro-batch slot in [0, num_slots); its previous exchange must be collected.
         """
         self._require_role(ATTENTION, "source_dispatch")
-        if self._phase != "idle":
-            raise AfdepStateError("source_dispatch called twice without source_collect: "
-                                  "collect the previous exchange first")
+        slot = self._slot_arg(slot)
+        if self._slot_phase[slot] != "idle":
+            raise AfdepStateError(
+                f"source_dispatch called twice without source_collect on slot {slot}: collect "
+                f"its previous exchange first (or use another slot)")
         self._check_dispatch_args(x, expert_ids, weights, x_scales, bucket)
-        self._route = self._run(torch.ops.afdep.dispatch, self.state, x, expert_ids, weights,
-                                x_scales, self.group_name, self.buffer_id, bucket)
-        self._phase = "dispatched"
+        self._slot_route[slot] = self._run(
+            torch.ops.afdep.dispatch, self.state, x, expert_ids, weights, x_scales,
+            self.group_name, self.buffer_id, bucket, slot)
 
-    def source_collect(self) -> torch.Tensor:
-        """Receive and sum the FFN ranks' replies: [T, H] bfloat16 (fp32 sums)."""
+    def source_collect(self, *, slot: int = 0) -> torch.Tensor:
+        """Receive and sum the FFN ranks' replies of ``slot``: [T, H] bfloat16 (fp32 sums)."""
         self._require_role(ATTENTION, "source_collect")
-        if self._phase != "dispatched":
-            raise AfdepStateError("source_collect called without a preceding source_dispatch")
-        out = self._run(torch.ops.afdep.combine, self.state, self._route, self.group_name,
-                        self.buffer_id)
-        self._phase, self._route = "idle", None
+        slot = self._slot_arg(slot)
+        route = self._slot_route[slot]
+        if self._slot_phase[slot] != "dispatched" or route is None:
+            raise AfdepStateError(
+                f"source_collect called without a preceding source_dispatch on slot {slot}")
+        out = self._run(torch.ops.afdep.combine, self.state, route, self.group_name,
+                        self.buffer_id, slot)
+        self._slot_route[slot] = None
         return out
 
     # ---- FFN ranks --------------------------------------------------------------------------
-    def worker_receive(self, bucket: int) -> ops.Received:
-        """Receive every Attention rank's tokens, expanded into expert-major rows.
+    def worker_receive(self, bucket: int, *, slot: int = 0) -> ops.Received:
+        """Receive every Attention rank's tokens of ``slot``, expanded into expert-major rows.
 
-        Returns a ``Received`` (shapes in docs/contract.md) whose ``receipt`` goes to
-        ``worker_reply``."""
+        Returns a ``Received`` (shapes in docs/contract.md) whose ``receipt`` (it records the
+        slot) goes to ``worker_reply``."""
         self._require_role(FFN, "worker_receive")
-        if self._phase != "idle":
-            raise AfdepStateError("worker_receive called twice without worker_reply: "
-                                  "reply to the previous exchange first")
+        slot = self._slot_arg(slot)
+        if self._slot_phase[slot] != "idle":
+            raise AfdepStateError(
+                f"worker_receive called twice without worker_reply on slot {slot}: reply to "
+                f"its previous exchange first (or use another slot)")
         if isinstance(bucket, bool) or not isinstance(bucket, int):
             raise TypeError(f"bucket must be an int, got {type(bucket).__name__}")
         self.config.check_bucket(bucket)
         outs = self._run(torch.ops.afdep.receive, self.state, self.group_name,
-                         self.buffer_id, bucket)
-        self._recv_seq += 1
-        self._phase = "received"
-        return ops._package(self, bucket, outs, self._recv_seq)
+                         self.buffer_id, bucket, slot)
+        self._slot_seq[slot] += 1
+        return ops._package(self, bucket, outs, self._slot_seq[slot], slot)
 
-    def worker_reply(self, rows: torch.Tensor, receipt: ops.Receipt) -> None:
+    def worker_reply(self, rows: torch.Tensor, receipt: ops.Receipt, *,
+                     slot: Optional[int] = None) -> None:
         """Send the caller's expert outputs back, one fp32-summed BF16 row per token.
 
         Args:
             rows: [A*bucket*R, H] bfloat16, row i = expert output of Received.x[i] already
                 multiplied by Received.weights[i]; rows past expert_offsets[-1] are ignored.
-            receipt: ``Received.receipt`` of the current exchange.
+            receipt: ``Received.receipt`` of the slot's current exchange.
+            slot: defaults to the receipt's slot; when given it must be the receipt's.
         """
         self._require_role(FFN, "worker_reply")
-        if self._phase != "received":
-            raise AfdepStateError("worker_reply called without a preceding worker_receive")
+        if slot is not None:
+            slot = self._slot_arg(slot)
+        if isinstance(receipt, ops.Receipt):
+            slot = ops._receipt_slot(receipt, slot)
+            self.config.check_slot(slot)
+        slot = 0 if slot is None else slot
+        if self._slot_phase[slot] != "received":
+            raise AfdepStateError(
+                f"worker_reply called without a preceding worker_receive on slot {slot}")
         self._check_reply_args(rows, receipt)
-        if receipt.sequence != self._recv_seq:
+        if receipt.sequence != self._slot_seq[slot]:
             raise AfdepStateError(
                 f"stale receipt: it is from exchange {receipt.sequence}, the current one is "
-                f"{self._recv_seq}")
+                f"{self._slot_seq[slot]} (slot {slot})")
         self._run(torch.ops.afdep.reply, self.state, rows, receipt.token_rows,
-                  receipt.token_index, receipt.num_tokens, self.group_name, self.buffer_id)
-        self._phase = "idle"
+                  receipt.token_index, receipt.num_tokens, self.group_name, self.buffer_id,
+                  slot)
 
     # ---- lifecycle --------------------------------------------------------------------------
     @property
@@ -297,10 +364,19 @@ class Buffer:
             return
         self._closed = True
         registry.remove(self)
+        clean = self._broken is None
+        first: Optional[BaseException] = None
         try:
-            self.transport.close(clean=self._broken is None)
+            for t in self.transports:
+                try:
+                    t.close(clean=clean)
+                except BaseException as e:  # close the other slots without waiting
+                    first = first or e
+                    clean = False
+            if first is not None:
+                raise first
         finally:
-            if self._broken is None:
+            if self._broken is None and first is None:
                 self._closing_barrier()
 
     def _closing_barrier(self) -> None:

@@ -20,6 +20,9 @@ FP8_BLOCK = 128
 #: The route handle is an int64 bit mask over FFN ranks.
 MAX_FFN_RANKS = 64
 
+#: Most exchanges (micro-batch slots) one buffer can have in flight.
+MAX_SLOTS = 16
+
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -49,6 +52,9 @@ class Config:
             A + F. Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
         num_sms: CUDA only: SMs (CTAs) each transport kernel uses.
         timeout_s: a receiver that waits longer than this raises, naming the peer and phase.
+        num_slots: independent exchanges (micro-batches) a buffer can have in flight at once,
+            selected per call with ``slot=``; each slot has its own transport state and
+            memory (CUDA memory scales with it). 1..MAX_SLOTS.
     """
 
     capacity_tokens_per_rank: int
@@ -61,6 +67,7 @@ class Config:
     roles: Optional[Tuple[str, ...]] = None
     num_sms: int = 24
     timeout_s: float = 100.0
+    num_slots: int = 2
 
     def __post_init__(self) -> None:
         _check_int("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
@@ -70,6 +77,7 @@ class Config:
         _check_int("ffn_ranks", self.ffn_ranks, 1, MAX_FFN_RANKS)
         _check_int("attention_ranks", self.attention_ranks, 1, 1 << 12)
         _check_int("num_sms", self.num_sms, 1, 1024)
+        _check_int("num_slots", self.num_slots, 1, MAX_SLOTS)
         if self.num_experts % self.ffn_ranks != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by ffn_ranks "
@@ -153,6 +161,9 @@ class Config:
         """Capacity of an FFN rank's expert-major rows for ``bucket``: A * bucket * R."""
         return self.attention_ranks * bucket * self.rows_per_token
 
+    def check_slot(self, slot: int) -> int:
+        return _check_int("slot", slot, 0, self.num_slots - 1)
+
     def check_bucket(self, bucket: int, num_tokens: Optional[int] = None) -> int:
         _check_int("bucket", bucket, 1, self.capacity_tokens_per_rank)
         if num_tokens is not None and num_tokens > bucket:
@@ -174,6 +185,7 @@ class Config:
             str(self.dtype),
             self.role_list,
             self.num_sms,
+            self.num_slots,
         )
 
 

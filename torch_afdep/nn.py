@@ -1,0 +1,404 @@
+"""``torch.nn`` building blocks for an AFD MoE layer that hide the exchange.
+
+``AfdMoE(buffer, intermediate_size)`` is one MoE layer split across the roles of ``buffer``:
+
+- on Attention ranks it holds the router (linear -> softmax -> top-k, optionally renormalized
+  over the chosen experts) and ``forward(x, slot=)`` routes ``x``, dispatches it and returns
+  the combined expert output (``dispatch`` / ``combine`` split the two halves, so two
+  micro-batches can overlap: dispatch slot 0, compute, dispatch slot 1, combine slot 0 ...);
+- on FFN ranks it holds this rank's SwiGLU experts (``SwiGLUExperts``) and ``forward(slot=)``
+  receives the expert-major rows, runs the experts, applies each row's routing weight once,
+  and replies.
+
+Both roles trace under ``torch.compile(fullgraph=True)`` and capture in CUDA graphs (no host
+reads on the default path; static shapes from ``bucket``). Weights load from full stacked
+tensors ``[E, ...]`` (each FFN rank keeps its experts) or from DTensors sharded over the FFN
+mesh (``torch_afdep.distributed.shard_experts``): ``AfdMoE.load_weights``.
+
+Expert compute (``SwiGLUExperts(method=)``) on the received rows ``x[N, H]`` (N = A*bucket*R,
+capacity-sized; rows past ``expert_offsets[-1]`` are padding):
+
+- ``"grouped"``: ``torch._grouped_mm`` with ``offs = expert_offsets[1:]`` (two grouped GEMMs,
+  gate+up fused). No host reads; compiled and graph-capturable. Used when a probe shows it
+  runs for the weights' device and dtype (on CPU it runs for float32 and bfloat16 in torch
+  2.13, but traces only for bfloat16; on CUDA it needs bfloat16 and sm90+).
+- ``"dense"``: every local expert runs on every row and a per-row mask keeps the right one
+  (the row's expert comes from ``searchsorted(expert_offsets[1:], row)``). No host reads, so
+  also compiled and graph-capturable, but E_local times the FLOPs: the fallback.
+- ``"loop"``: a Python loop over the local experts slicing ``x`` with the offsets. Exact work,
+  but it reads ``expert_offsets`` on the host (``.tolist()``): one device-to-host copy and
+  stream synchronization per layer call on CUDA, a graph break under ``torch.compile`` and
+  not capturable in a CUDA graph. Eager only.
+- ``"auto"`` (default): grouped when available, else dense when compiling or capturing,
+  else loop.
+
+``reference_moe`` is the same layer computed in float64 in one process (tests, examples).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .config import ATTENTION, FFN, FP8_BLOCK, Config
+from .ops import afd_combine, afd_dispatch, afd_receive, afd_reply
+
+METHODS = ("auto", "grouped", "dense", "loop")
+_FP8_MAX = 448.0
+_GROUPED_OK: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def grouped_mm_supported(device, dtype: torch.dtype, traced: bool = False) -> bool:
+    """Whether ``torch._grouped_mm`` runs (and is right) for ``dtype`` on ``device``'s type;
+    with ``traced``, also whether it traces (its meta kernel, which ``torch.compile`` uses,
+    accepts only bfloat16 in torch 2.9-2.13 even where the CPU kernel takes float32).
+
+    Probed once per (device type, dtype) with a tiny problem; never call it while a CUDA
+    graph is being captured (``SwiGLUExperts`` probes at construction)."""
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                g = torch.Generator().manual_seed(0)
+                a = torch.randn(6, 16, generator=g).to(device=device, dtype=dtype)
+                b = torch.randn(2, 32, 16, generator=g).to(device=device, dtype=dtype)
+                offs = torch.tensor([2, 5], dtype=torch.int32, device=device)
+                y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                want = torch.cat([a[:2] @ b[0].T, a[2:5] @ b[1].T]).float()
+                ok = bool(torch.allclose(y[:5].float(), want, rtol=5e-2, atol=5e-2))
+            except Exception:  # noqa: BLE001 - unsupported device/dtype/arch
+                ok = False
+        _GROUPED_OK[key] = ok
+    if not traced or not _GROUPED_OK[key]:
+        return _GROUPED_OK[key]
+    tkey = ("meta", dtype)
+    if tkey not in _GROUPED_OK:
+        try:
+            a = torch.empty(6, 16, dtype=dtype, device="meta")
+            b = torch.empty(2, 32, 16, dtype=dtype, device="meta")
+            torch._grouped_mm(a, b.transpose(1, 2),
+                              offs=torch.empty(2, dtype=torch.int32, device="meta"))
+            _GROUPED_OK[tkey] = True
+        except Exception:  # noqa: BLE001
+            _GROUPED_OK[tkey] = False
+    return _GROUPED_OK[tkey]
+
+
+def topk_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool = True
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router: logits = x @ weight.T in float32 -> softmax -> top-k.
+
+    Returns (expert_ids [T, k] int64, weights [T, k] float32); with ``renormalize`` the k
+    weights of a token sum to 1."""
+    logits = F.linear(x.to(weight.dtype), weight).float()
+    probs = logits.softmax(dim=-1)
+    w, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w.to(torch.float32)
+
+
+def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-128-element block quantization: (x_fp8 [T, H] float8_e4m3fn, scales [T, H/128]
+    float32) with x ~= x_fp8 * scales (the contract's FP8 payload)."""
+    t, h = x.shape
+    blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
+    scales = (blocks.abs().amax(dim=2).clamp(min=1e-8) / _FP8_MAX).to(torch.float32)
+    q = (blocks / scales[:, :, None]).reshape(t, h).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def dequantize_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor], dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """Received rows in ``dtype``: FP8 rows times their per-128 scales, BF16 rows cast."""
+    if x_scales is None or x_scales.numel() == 0 or x.dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() * x_scales.repeat_interleave(FP8_BLOCK, dim=1)).to(dtype)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+           ) -> torch.Tensor:
+    """[n, H] -> [n, H]: w2 (silu(w1 x) * w3 x), weights w1, w3 [I, H], w2 [H, I]."""
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def reference_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                  w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The MoE layer in float64 in one process: out[t] = sum_j weights[t, j] *
+    swiglu_{expert_ids[t, j]}(x[t]) over entries >= 0 (a repeated id counts once, as in the
+    exchange). Full stacked weights: w1, w3 [E, I, H], w2 [E, H, I]."""
+    from .reference import dedupe
+
+    xd = x.detach().to(torch.float64).cpu()
+    ids = dedupe(expert_ids.cpu())
+    w = weights.detach().cpu().to(torch.float64)
+    out = torch.zeros_like(xd)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        y = swiglu(xd[tok], *(t[e].detach().cpu().to(torch.float64) for t in (w1, w3, w2)))
+        out.index_add_(0, tok, y * w[tok, j, None])
+    return out
+
+
+def reference_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor,
+                    w3: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool = True
+                    ) -> torch.Tensor:
+    """Router (``topk_route``, float32 as in ``TopKRouter``) and experts (float64) of one MoE
+    layer in one process."""
+    ids, w = topk_route(x, router_weight, top_k, renormalize)
+    return reference_moe(x, ids, w, w1, w3, w2)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of an expert-sharded DTensor (``shard_experts``), else ``t``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return t
+    if isinstance(t, DTensor):
+        from .distributed.mesh import local_experts
+
+        return local_experts(t)
+    return t
+
+
+# ---- modules -------------------------------------------------------------------------------
+class TopKRouter(torch.nn.Module):
+    """linear (no bias) -> softmax (float32) -> top-k (-> renormalize).
+
+    ``forward(x [T, H])`` returns (expert_ids [T, k] int64, weights [T, k] float32)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
+                 renormalize: bool = True, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = torch.nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        torch.nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return topk_route(x, self.weight, self.top_k, self.renormalize)
+
+
+class SwiGLUExperts(torch.nn.Module):
+    """This FFN rank's SwiGLU experts applied to expert-major rows.
+
+    Parameters: ``w13`` [E_local, 2I, H] (gate w1 and up w3 stacked), ``w2`` [E_local, H, I].
+    ``forward(x, weights, expert_offsets, x_scales=None)`` takes a ``Received``'s fields and
+    returns the reply rows [N, H] bfloat16: row i = weights[i] * swiglu_{e(i)}(x[i]) for
+    i < expert_offsets[-1], zeros past it. ``method``: see the module docstring."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *,
+                 first_expert: int = 0, dtype: torch.dtype = torch.bfloat16, device=None,
+                 method: str = "auto"):
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.method = method
+        e, h, i = num_local_experts, hidden_size, intermediate_size
+        self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device),
+                                      requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device),
+                                     requires_grad=False)
+        torch.nn.init.normal_(self.w13, std=h ** -0.5)
+        torch.nn.init.normal_(self.w2, std=i ** -0.5)
+        if method in ("auto", "grouped"):
+            ok = grouped_mm_supported(self.w13.device, dtype)
+            grouped_mm_supported(self.w13.device, dtype, traced=True)  # probe now, not later
+            if method == "grouped" and not ok:
+                raise RuntimeError(f"torch._grouped_mm does not run for {dtype} on "
+                                   f"{self.w13.device.type}; use method='dense' or 'loop'")
+
+    @torch.no_grad()
+    def load(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy this rank's experts in: w1, w3 [E_local, I, H], w2 [E_local, H, I] (local
+        tensors, or DTensors sharded over the FFN mesh whose local shard has those shapes)."""
+        w1, w3, w2 = _local(w1), _local(w3), _local(w2)
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
+        for name, t, shape in (("w1", w1, (e, i, h)), ("w3", w3, (e, i, h)),
+                               ("w2", w2, (e, h, i))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)} (this rank's "
+                                 f"experts), got {list(t.shape)}")
+        self.w13[:, :i].copy_(w1)
+        self.w13[:, i:].copy_(w3)
+        self.w2.copy_(w2)
+
+    def resolved_method(self) -> str:
+        """The method ``forward`` uses now (``"auto"`` resolved for eager, compiled or
+        captured execution)."""
+        if self.method != "auto":
+            return self.method
+        compiling = torch.compiler.is_compiling()
+        if grouped_mm_supported(self.w13.device, self.w13.dtype, traced=compiling):
+            return "grouped"
+        capturing = self.w13.is_cuda and torch.cuda.is_current_stream_capturing()
+        return "dense" if compiling or capturing else "loop"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor,
+                x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n = x.shape[0]
+        i = self.intermediate_size
+        xc = dequantize_rows(x, x_scales, self.w13.dtype)
+        method = self.resolved_method()
+        valid = torch.arange(n, device=x.device) < expert_offsets[-1]
+        if method == "grouped":
+            ends = expert_offsets[1:]
+            gu = torch._grouped_mm(xc, self.w13.transpose(1, 2), offs=ends)  # [N, 2I]
+            a = F.silu(gu[:, :i]) * gu[:, i:]
+            y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=ends)  # [N, H]
+        elif method == "dense":
+            rows = torch.arange(n, device=x.device, dtype=expert_offsets.dtype)
+            expert = torch.searchsorted(expert_offsets[1:], rows, right=True)
+            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
+            for e in range(self.num_local_experts):
+                ye = swiglu(xc, self.w13[e, :i], self.w13[e, i:], self.w2[e]).float()
+                y = torch.where((expert == e)[:, None], ye, y)
+        elif method == "loop":
+            offs = expert_offsets.tolist()  # host read: a device->host sync on CUDA
+            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
+            for e in range(self.num_local_experts):
+                lo, hi = offs[e], offs[e + 1]
+                if hi > lo:
+                    y[lo:hi] = swiglu(xc[lo:hi], self.w13[e, :i], self.w13[e, i:],
+                                      self.w2[e]).float()
+        else:  # pragma: no cover
+            raise ValueError(f"unknown method {method!r}")
+        # where(), not a multiply: padding rows may hold anything (NaN included).
+        out = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
+        return out.to(torch.bfloat16)
+
+
+class AfdMoE(torch.nn.Module):
+    """One AFD MoE layer on ``buffer``'s group: router + dispatch/combine on Attention ranks,
+    receive + SwiGLU experts + reply on FFN ranks.
+
+    Args:
+        buffer: an open ``torch_afdep.Buffer`` (create it first: it is collective). Its role
+            picks what this module holds; its config gives H, E, k and the layout.
+        intermediate_size: I of every expert.
+        bucket: static token bucket of every exchange (default: the capacity); Attention ranks
+            pass at most this many tokens.
+        renormalize: renormalize the top-k weights of a token to sum to 1.
+        dtype: expert parameter dtype; expert computation runs in it, the exchange in
+            ``config.dtype`` (FP8 payloads are quantized per 128 elements on Attention ranks).
+        router_dtype: router parameter dtype (logits and softmax are float32 either way).
+        device: parameter device (default: the buffer's).
+        method: expert computation, see the module docstring.
+
+    Attention: ``forward(x [T, H], slot=0) -> [T, H]`` (x's dtype), or ``dispatch(x, slot=)``
+    then ``combine(route, slot=)`` to overlap micro-batches. FFN: ``forward(slot=0)`` serves
+    one exchange and returns the reply's dependency token.
+    """
+
+    def __init__(self, buffer, intermediate_size: int, *, bucket: Optional[int] = None,
+                 renormalize: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
+                 method: str = "auto", router_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg: Config = buffer.config
+        self.config = cfg
+        self.group_name = buffer.group_name
+        self.buffer_id = buffer.buffer_id
+        self.role = buffer.role
+        self.role_index = buffer.role_index
+        self.intermediate_size = intermediate_size
+        self.bucket = cfg.capacity_tokens_per_rank if bucket is None else \
+            cfg.check_bucket(bucket)
+        device = buffer.device if device is None else torch.device(device)
+        if self.role == ATTENTION:
+            self.router = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k,
+                                     renormalize=renormalize, dtype=router_dtype,
+                                     device=device)
+            self.experts = None
+        else:
+            el = cfg.experts_per_rank
+            self.router = None
+            self.experts = SwiGLUExperts(el, cfg.hidden_size, intermediate_size,
+                                         first_expert=self.role_index * el, dtype=dtype,
+                                         device=device, method=method)
+
+    # ---- weights ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, router_weight: Optional[torch.Tensor] = None,
+                     w1: Optional[torch.Tensor] = None, w3: Optional[torch.Tensor] = None,
+                     w2: Optional[torch.Tensor] = None) -> None:
+        """Load the layer's weights; each rank takes what its role holds.
+
+        router_weight [E, H] (Attention ranks). w1, w3 [E, I, H] and w2 [E, H, I]: full stacks
+        in global expert order (FFN index f keeps experts [f*E/F, (f+1)*E/F)), or DTensors
+        from ``shard_experts`` (this rank's shard is used as is)."""
+        if self.role == ATTENTION:
+            if router_weight is None:
+                raise ValueError("Attention ranks need router_weight [E, H]")
+            self.router.weight.copy_(router_weight)
+            return
+        if w1 is None or w3 is None or w2 is None:
+            raise ValueError("FFN ranks need w1, w3 [E, I, H] and w2 [E, H, I]")
+        el, lo = self.config.experts_per_rank, self.experts.first_expert
+
+        def mine(t):
+            t = _local(t)
+            return t[lo:lo + el] if t.shape[0] == self.config.num_experts and \
+                t.shape[0] != el else t
+
+        self.experts.load(mine(w1), mine(w3), mine(w2))
+
+    # ---- Attention ----------------------------------------------------------------------------
+    def _payload(self, x: torch.Tensor):
+        if self.config.dtype == torch.float8_e4m3fn:
+            return quantize_fp8(x)
+        return x.to(torch.bfloat16).contiguous(), None
+
+    def dispatch(self, x: torch.Tensor, *, slot: int = 0, return_routing: bool = False):
+        """Route ``x`` [T, H] and dispatch it on ``slot``; returns the route handle for
+        ``combine`` (and the routing (expert_ids, weights) with ``return_routing``)."""
+        ids, w = self.router(x)
+        payload, scales = self._payload(x)
+        route = afd_dispatch(payload, ids, w, group=self.group_name, buffer_id=self.buffer_id,
+                             bucket=self.bucket, x_scales=scales, slot=slot)
+        return (route, ids, w) if return_routing else route
+
+    def combine(self, route: torch.Tensor, *, slot: int = 0) -> torch.Tensor:
+        """[T, H] bfloat16: the combined expert output of the exchange on ``slot``."""
+        return afd_combine(route, group=self.group_name, buffer_id=self.buffer_id, slot=slot)
+
+    # ---- FFN ----------------------------------------------------------------------------------
+    def serve(self, *, slot: int = 0) -> torch.Tensor:
+        """FFN: receive the exchange on ``slot``, run the experts, reply. Returns the reply's
+        empty dependency token."""
+        rec = afd_receive(group=self.group_name, buffer_id=self.buffer_id, bucket=self.bucket,
+                          slot=slot)
+        rows = self.experts(rec.x, rec.weights, rec.expert_offsets, rec.x_scales)
+        return afd_reply(rows, rec.receipt, group=self.group_name, buffer_id=self.buffer_id)
+
+    def forward(self, x: Optional[torch.Tensor] = None, *, slot: int = 0,
+                return_routing: bool = False):
+        if self.role == FFN:
+            if x is not None:
+                raise TypeError("on FFN ranks AfdMoE takes no input: call it as moe(slot=...)")
+            return self.serve(slot=slot)
+        if x is None:
+            raise TypeError("on Attention ranks AfdMoE needs x [T, H]")
+        route, ids, w = self.dispatch(x, slot=slot, return_routing=True)
+        out = self.combine(route, slot=slot).to(x.dtype)
+        return (out, ids, w) if return_routing else out
+
+    def extra_repr(self) -> str:
+        return (f"role={self.role}, index={self.role_index}, bucket={self.bucket}, "
+                f"group={self.group_name!r}, buffer_id={self.buffer_id}")
+
+
+__all__ = ["AfdMoE", "SwiGLUExperts", "TopKRouter", "topk_route", "quantize_fp8",
+           "dequantize_rows", "swiglu", "reference_moe", "reference_layer",
+           "grouped_mm_supported", "METHODS"]
