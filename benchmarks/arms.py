@@ -131,7 +131,8 @@ class _Rank:
         return Config(capacity_tokens_per_rank=s["capacity"], hidden_size=hidden,
                       num_experts=s["experts"], top_k=s["top_k"], ffn_ranks=self.F,
                       attention_ranks=self.A, dtype=DTYPES[dtype], num_sms=s["sms"],
-                      timeout_s=float(s["kernel_timeout_s"]))
+                      timeout_s=float(s["kernel_timeout_s"]),
+                      num_slots=1)  # one exchange in flight: the protocol cost only
 
     def write(self, rec: Dict[str, Any]) -> None:
         rec.setdefault("rank", self.rank)

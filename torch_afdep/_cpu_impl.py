@@ -117,9 +117,10 @@ class CpuTransport:
         try:
             ok = work.wait(self._timeout)
         except RuntimeError as e:
-            raise AfdepTimeoutError(
-                f"rank {self.rank}: {phase} waited more than {self.config.timeout_s} s for "
-                f"group rank {peer} ({e})", peer=peer, phase=phase, rank=self.rank) from e
+            what = (f"lost its connection to group rank {peer}" if "Connection closed" in str(e)
+                    else f"waited more than {self.config.timeout_s} s for group rank {peer}")
+            raise AfdepTimeoutError(f"rank {self.rank}: {phase} {what} ({e})", peer=peer,
+                                    phase=phase, rank=self.rank) from e
         if ok is False:
             raise AfdepTimeoutError(
                 f"rank {self.rank}: {phase} waited more than {self.config.timeout_s} s for "

@@ -64,18 +64,22 @@ class Buffer:
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group(...) before creating a Buffer")
         self.group = dist.group.WORLD if group is None else group
+        self.config = config
+        self.rank = dist.get_rank(self.group)
+        self.group_name = self.group.group_name
+        self.device = self._pick_device(device)
+        # The first op call imports torch._dynamo (seconds); do it before any peer waits.
+        import torch._dynamo  # noqa: F401
+
+        # Collective first, so every rank raises the same error on any mismatch.
+        self._check_same_config_everywhere()
         size = dist.get_world_size(self.group)
         if size != config.world_size:
             raise ValueError(
                 f"group has {size} ranks but config needs attention_ranks + ffn_ranks = "
                 f"{config.attention_ranks} + {config.ffn_ranks} = {config.world_size}")
-        self.config = config
-        self.rank = dist.get_rank(self.group)
         self.role = config.role_of(self.rank)
         self.role_index = config.role_index(self.rank)
-        self.group_name = self.group.group_name
-        self.device = self._pick_device(device)
-        self._check_same_config_everywhere()
 
         self.buffer_id = registry.next_id(self.group_name)
         #: Ordering token of the ops (host-side call counters); see ops.py.
@@ -151,7 +155,7 @@ class Buffer:
     def _check_same_config_everywhere(self) -> None:
         """Every rank raises the same error when configs or roles differ across ranks."""
         mine = (self.config.fingerprint(), self.device.type, _backend_roles(self.group))
-        all_ = [None] * self.config.world_size
+        all_ = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(all_, mine, group=self.group)
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
                  "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots")
@@ -398,8 +402,18 @@ class Buffer:
     def __enter__(self) -> "Buffer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Unwinding: an exchange left half done is abandoned, and a failing close must not
+        # replace the body's exception.
+        if any(p != "idle" for p in self._slot_phase) and self._broken is None:
+            self._broken = exc
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __repr__(self) -> str:
         return (f"Buffer(group={self.group_name!r}, id={self.buffer_id}, rank={self.rank}, "
