@@ -16,6 +16,25 @@ import torch.distributed as dist
 from torch_afdep import reference as ref
 from torch_afdep.config import FFN, Config
 
+#: Environment of every GPU world: NVLink multicast stays off on the shared machines.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def skip_unless_two_gpus() -> None:
+    """Skip the calling test module unless 2 CUDA GPUs and the built extension are there."""
+    import pytest
+
+    try:
+        import torch_afdep._cuda  # noqa: F401
+
+        ok = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    except Exception:
+        ok = False
+    if not ok:
+        pytest.skip("needs 2 CUDA GPUs and the torch_afdep._cuda extension",
+                    allow_module_level=True)
+
 
 def make_config(kw) -> Config:
     kw = dict(kw)

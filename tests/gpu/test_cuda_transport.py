@@ -6,38 +6,19 @@ Several ranks share a GPU for 2A2F, 3A1F and 1A3F (CUDA IPC allows it).
 
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_count() -> int:
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
-def _have_ext() -> bool:
-    try:
-        import torch_afdep._cuda  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-if _gpu_count() < 2 or not _have_ext():
-    pytest.skip("needs 2 CUDA GPUs and the torch_afdep._cuda extension", allow_module_level=True)
-
 import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+gw.skip_unless_two_gpus()
 
 from torch_afdep.testing import spawn_world  # noqa: E402
 
-BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+BASE_ENV = gw.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 
 # layout name -> (F, A, device of each group rank, num_experts)

@@ -18,25 +18,16 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _ok() -> bool:
-    try:
-        import torch_afdep._cuda  # noqa: F401
-        return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    except Exception:
-        return False
+import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
-
-if not _ok():
-    pytest.skip("needs 2 CUDA GPUs and the torch_afdep._cuda extension", allow_module_level=True)
+gw.skip_unless_two_gpus()
 
 import torch.distributed as dist  # noqa: E402
 
-import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
 
 from torch_afdep.testing import spawn_world  # noqa: E402
 
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NVSHMEM_DISABLE_NVLS": "1"}
+ENV = gw.GPU_ENV
 
 
 def _device():
