@@ -65,6 +65,8 @@ def _rank_main(rank, world, cfg, steps, tokens, device_kind):
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else \
         torch.device("cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # several ranks share the cores: no thread oversubscription
     buf = torch_afdep.Buffer(None, cfg, device=dev)
     times, errors, rows = [], [], []
     if buf.role == "ffn":
