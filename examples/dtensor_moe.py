@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import torch_afdep
 from torch_afdep import demo
-from torch_afdep.distributed import AfdepOptions, local_experts, role_meshes, shard_experts
+from torch_afdep.distributed import local_experts, role_meshes, shard_experts
 from torch_afdep.testing import spawn_world
 
 

@@ -40,13 +40,8 @@ LAST: dict = {}
 
 
 def layer_weights(layer: int):
-    g = torch.Generator().manual_seed(900 + layer)
-    attn = torch.randn(HIDDEN, HIDDEN, generator=g) * HIDDEN ** -0.5
-    router = torch.randn(EXPERTS, HIDDEN, generator=g) * HIDDEN ** -0.5
-    w1 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) * HIDDEN ** -0.5
-    w3 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) * HIDDEN ** -0.5
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * INTER ** -0.5
-    return attn, router, w1, w3, w2
+    """(attn, router, w1, w3, w2) of one layer: see torch_afdep.demo.synthetic_layer."""
+    return demo.synthetic_layer(900 + layer, HIDDEN, INTER, EXPERTS)
 
 
 def batch(a: int, step: int, tokens: int):

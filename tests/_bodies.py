@@ -97,13 +97,7 @@ def compile_body(rank, world):
     return {"graphs": graphs, "errors": errors, "counts": counts}
 
 
-def _expect(exc_type, fragment, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        assert fragment in str(e), f"{fragment!r} not in {e!r}"
-        return str(e)
-    raise AssertionError(f"{fn} did not raise {exc_type.__name__} ({fragment!r})")
+from _exchange import _expect  # noqa: E402  (one helper for both body modules)
 
 
 def bad_input_body(rank, world):
@@ -417,12 +411,9 @@ def fake_vllm_config(role, role_rank, num_attention=2, num_ffn=2, **extra):
 
 
 def vllm_layer_weights(layer, hidden=128, experts=8, inter=VLLM_INTER):
-    g = torch.Generator().manual_seed(700 + layer)
-    router = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
-    attn = torch.randn(hidden, hidden, generator=g) * hidden ** -0.5
-    w1 = torch.randn(experts, inter, hidden, generator=g) * hidden ** -0.5
-    w3 = torch.randn(experts, inter, hidden, generator=g) * hidden ** -0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    from torch_afdep.demo import synthetic_layer
+
+    attn, router, w1, w3, w2 = synthetic_layer(700 + layer, hidden, inter, experts)
     return router, attn, w1, w3, w2
 
 

@@ -36,6 +36,20 @@ def _expert_weights(e: int, dtype=torch.float64):
     return w1.to(dtype), w3.to(dtype), w2.to(dtype)
 
 
+def synthetic_layer(seed: int, hidden: int, inter: int, experts: int):
+    """Random weights of one decoder layer (an attention stand-in and its MoE), the same in
+    every process for the same arguments: (attn [H, H], router [E, H], w1 [E, I, H],
+    w3 [E, I, H], w2 [E, H, I]), float32, scaled by 1/sqrt(fan-in)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = hidden ** -0.5, inter ** -0.5
+    attn = torch.randn(hidden, hidden, generator=g) * h
+    router = torch.randn(experts, hidden, generator=g) * h
+    w1 = torch.randn(experts, inter, hidden, generator=g) * h
+    w3 = torch.randn(experts, inter, hidden, generator=g) * h
+    w2 = torch.randn(experts, hidden, inter, generator=g) * i
+    return attn, router, w1, w3, w2
+
+
 def _router_weight(dtype=torch.float64):
     g = torch.Generator().manual_seed(7)
     return (torch.randn(EXPERTS, HIDDEN, generator=g) * HIDDEN ** -0.5).to(dtype)
