@@ -3,7 +3,7 @@
 # test), compute-sanitizer memcheck on a small 1A1F exchange, and the latency benchmark.
 # Logs and JSON go under $OUT (default ./gpu_out). Usage:
 #   scripts/gpu_suite.sh [full|smoke]     (full: everything; smoke: a quick subset)
-# Env: PYTEST_K (extra -k filter), BENCH_ARGS (extra args for benchmarks/latency.py),
+# Env: BUILD=pip|cuda-only|skip, PYTEST_K (extra -k filter), BENCH_ARGS (extra args for benchmarks/latency.py),
 #      SKIP_BENCH=1, SKIP_SAN=1, AFDEP_COMMIT (recorded in the benchmark JSON).
 set -u -o pipefail
 MODE="${1:-full}"
@@ -25,7 +25,9 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
 # ---- build -----------------------------------------------------------------------------
 stamp "build: pip install --no-build-isolation --no-deps -e . (BUILD=${BUILD:-pip})" | tee "$OUT/build.log"
-if [ "${BUILD:-pip}" = "cuda-only" ] || ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
+if [ "${BUILD:-pip}" = "skip" ]; then
+  stamp "build skipped (BUILD=skip)" | tee -a "$OUT/build.log"
+elif [ "${BUILD:-pip}" = "cuda-only" ] || ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
   stamp "pip install failed; building torch_afdep._cuda alone in place" | tee -a "$OUT/build.log"
   $PY - >>"$OUT/build.log" 2>&1 <<'PYEOF'
 import os, sys

@@ -119,6 +119,23 @@ class CudaTransport:
         self._comm.reply(int(bucket), _ptr(rows), _ptr(token_rows), _ptr(token_index),
                          _ptr(num_tokens), _stream(self.device))
 
+    # ---- diagnostics ------------------------------------------------------------------
+    def trace(self):
+        """Stage stamps of the last exchanges when the process runs with ``AFDEP_TRACE=1``
+        (else None): ``(stamps, counters)`` with ``stamps`` an int64 tensor [ring, 2 phases,
+        points] of %globaltimer ns (points: start, sent, waited, end, latest sent, latest
+        waited, latest end, expansion ready; 0 = not reached) indexed by exchange number
+        modulo ring, and ``counters`` the (dispatch, combine) exchange numbers of CTA 0.
+        Synchronizes the device: never call it inside a timed region."""
+        from . import _cuda
+
+        v = self._comm.trace()
+        if not v:
+            return None
+        ring, pts = int(_cuda.TRACE_RING), int(_cuda.TRACE_POINTS)
+        stamps = torch.tensor(v[:ring * 2 * pts], dtype=torch.int64).view(ring, 2, pts)
+        return stamps, (int(v[-2]), int(v[-1]))
+
     # ---- errors and lifecycle ---------------------------------------------------------
     def check_error(self) -> None:
         """Raise what the device reported (host-mapped memory; no synchronization)."""

@@ -20,6 +20,8 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("ROLE_WARPS") = (int)afdep::F_ROLE_WARPS;
   m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
 
+  m.attr("TRACE_RING") = afdep::kTraceRing;
+  m.attr("TRACE_POINTS") = afdep::kTracePts;
   m.def("runtime_version", []() {
     int v = 0;
     cudaRuntimeGetVersion(&v);
@@ -81,5 +83,6 @@ PYBIND11_MODULE(_cuda, m) {
              return d;
            },
            py::arg("clear") = true)
+      .def("trace", &Comm::trace)
       .def("close", &Comm::close);
 }

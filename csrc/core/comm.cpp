@@ -1,5 +1,6 @@
 #include "core/comm.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -99,6 +100,15 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   void* ed = nullptr;
   check(cudaHostGetDevicePointer(&ed, eh, 0), "cudaHostGetDevicePointer");
   L.err = static_cast<ErrorBlock*>(ed);
+
+  // Stage trace for diagnostics (benchmarks/trace.py); off unless AFDEP_TRACE is set.
+  const char* tr = std::getenv("AFDEP_TRACE");
+  if (tr && *tr && std::strcmp(tr, "0") != 0) {
+    const size_t tb = (size_t)kTraceRing * 2 * kTracePts * 8;
+    check(cudaMalloc(&trace_, tb), "cudaMalloc(trace)");
+    check(cudaMemset(trace_, 0, tb), "cudaMemset(trace)");
+    L.trace = static_cast<uint64_t*>(trace_);
+  }
 
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
   transport_ = make_ipc_transport(device_);
@@ -217,6 +227,23 @@ void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
   check(launch_combine(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
 }
 
+std::vector<uint64_t> Comm::trace() {
+  std::vector<uint64_t> v;
+  if (!trace_ || closed_) return v;
+  DeviceGuard g(device_);
+  v.resize((size_t)kTraceRing * 2 * kTracePts + 2);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaMemcpy(v.data(), trace_, (size_t)kTraceRing * 2 * kTracePts * 8,
+                   cudaMemcpyDeviceToHost), "copy trace");
+  // CTA 0's exchange counters of both phases: which ring entries are the latest
+  uint64_t c0 = 0, c1 = 0;
+  check(cudaMemcpy(&c0, L_.counters, 8, cudaMemcpyDeviceToHost), "copy counter");
+  check(cudaMemcpy(&c1, L_.counters + L_.S, 8, cudaMemcpyDeviceToHost), "copy counter");
+  v[(size_t)kTraceRing * 2 * kTracePts] = c0;
+  v[(size_t)kTraceRing * 2 * kTracePts + 1] = c1;
+  return v;
+}
+
 ErrorInfo Comm::poll_error(bool clear) {
   ErrorInfo e{};
   if (!err_host_) return e;
@@ -253,6 +280,8 @@ void Comm::close() {
   if (transport_) transport_->close();
   if (workspace_) cudaFree(workspace_);
   workspace_ = nullptr;
+  if (trace_) cudaFree(trace_);
+  trace_ = nullptr;
   if (err_host_) cudaFreeHost(err_host_);
   err_host_ = nullptr;
 }

@@ -54,6 +54,9 @@ class Comm {
              uint64_t num_tokens, uint64_t stream);
   void combine(uint64_t route, uint64_t out, int T, uint64_t stream);
   ErrorInfo poll_error(bool clear);
+  // AFDEP_TRACE=1 only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
+  // phases (synchronizes the device; empty when tracing is off).
+  std::vector<uint64_t> trace();
   void close();
 
  private:
@@ -63,6 +66,7 @@ class Comm {
   std::unique_ptr<Transport> transport_;
   void* workspace_ = nullptr;  // peer table, role tables, counters, cursors
   ErrorBlock* err_host_ = nullptr;
+  void* trace_ = nullptr;
   bool opened_ = false, closed_ = false;
 };
 

@@ -19,6 +19,21 @@ constexpr uint32_t kAllRoleAware = 0x3f;
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
 
+// Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
+// kTraceRing exchanges, [ring][phase][point]. Points 0-3 are CTA 0's; 4-6 the latest over CTAs.
+constexpr int kTraceRing = 64;
+constexpr int kTracePts = 8;
+enum TracePoint : int {
+  kTrStart = 0,    // kernel start (CTA 0)
+  kTrSent = 1,     // send stage done, signals written (CTA 0)
+  kTrWaited = 2,   // receiver's wait done (CTA 0)
+  kTrEnd = 3,      // kernel end (CTA 0)
+  kTrMaxSent = 4,  // latest CTA's kTrSent
+  kTrMaxWaited = 5,
+  kTrMaxEnd = 6,
+  kTrReady = 7,    // FFN receive: expert offsets computed, expansion starts (CTA 0)
+};
+
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
 struct ErrorBlock {
   int timeout;        // 1 once some wait expired
@@ -62,6 +77,7 @@ struct Layout {
   uint64_t* counters;          // [2][S] per-CTA exchange counters (device-local)
   int* cursors;                // [2][El] per-expert row cursors (device-local)
   ErrorBlock* err;             // device view of the host-mapped error block
+  uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
 };
 
 inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

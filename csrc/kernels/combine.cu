@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
+  trace_mark(L, kPhaseCombine, n, kTrStart, -1);
 
   if (!(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         st_release_sys(sig_slot(peer_base(L, d), L.off_comb_done, L.W, L.S, L.rank, c), n);
       }
     }
+    trace_mark(L, kPhaseCombine, n, kTrSent, kTrMaxSent);
   }
 
   if (!rwo) {
@@ -151,12 +153,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
+    trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
     if (a.real_recv) {
       for (int t = gw; t < a.T; t += nw) collect_token(L, a, t, lane);
     }
   }
 
   __syncthreads();
+  trace_mark(L, kPhaseCombine, n, kTrEnd, kTrMaxEnd);
   if (tid == 0) L.counters[kPhaseCombine * L.S + c] = n;
 }
 

@@ -116,6 +116,18 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uin
   }
 }
 
+// ---- optional stage trace (L.trace null: one predictable branch) -----------------------
+// Called by every thread at a converged point; thread 0 of CTA 0 stamps `pt`, thread 0 of
+// every CTA folds its stamp into the "latest over CTAs" point `max_pt` (< 0: none).
+__device__ __forceinline__ void trace_mark(const Layout& L, int phase, uint64_t n, int pt,
+                                           int max_pt) {
+  if (L.trace == nullptr || threadIdx.x != 0) return;
+  uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
+  const uint64_t t = global_timer_ns();
+  if (blockIdx.x == 0) p[pt] = t;
+  if (max_pt >= 0) atomicMax(reinterpret_cast<unsigned long long*>(p + max_pt), (unsigned long long)t);
+}
+
 // ---- window addressing -------------------------------------------------------------------
 __device__ __forceinline__ char* peer_base(const Layout& L, int r) {
   return reinterpret_cast<char*>(L.peer_bases[r]);

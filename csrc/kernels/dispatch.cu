@@ -147,6 +147,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
     if (lane == 31) s_off[L.El] = incl;
   }
   __syncthreads();
+  trace_mark(L, kPhaseDispatch, n, kTrReady, -1);
   const int rows_cap = L.A * a.bucket * L.R;
   int* cur = L.cursors + (size_t)(n & 1) * L.El;
   if (c == 0) {
@@ -228,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool count_first = !(fl & F_ONE_WAY_COUNTS);
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
+  trace_mark(L, kPhaseDispatch, n, kTrStart, -1);
 
   if (!(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         st_release_sys(sig_slot(peer_base(L, d), L.off_disp_done, L.W, L.S, L.rank, c), n);
       }
     }
+    trace_mark(L, kPhaseDispatch, n, kTrSent, kTrMaxSent);
   }
 
   if (!rwo) {
@@ -286,10 +289,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
                       kPhaseDispatch, sr, L.rank);
     }
     if (!__syncthreads_and(ok ? 1 : 0)) return;
+    trace_mark(L, kPhaseDispatch, n, kTrWaited, kTrMaxWaited);
     if (a.real_recv) expand(L, a, n, smem);
   }
 
   __syncthreads();
+  trace_mark(L, kPhaseDispatch, n, kTrEnd, kTrMaxEnd);
   if (tid == 0) L.counters[kPhaseDispatch * L.S + c] = n;
 }
 

@@ -1,0 +1,150 @@
+"""Where the round trip's time goes: per-stage medians from the kernels' %globaltimer trace.
+
+    python -m benchmarks.trace [--tokens 1 128 2048] [--hidden 4096] [--arms afdep symmetric]
+
+Runs 1A1F on two GPUs (fresh processes per arm, ``AFDEP_TRACE=1``), the same graph step and
+alignment as ``benchmarks.run``'s afdep arm, then reads every rank's trace ring (the last 64
+exchanges) and prints, per token count, median stage times in µs. Stages on one GPU are exact;
+stages that cross GPUs (marked ``x``) assume the two GPUs' %globaltimer agree, which the
+``x clock check`` line lets you judge (a flag crossing should take ~1 µs, never < 0).
+Diagnostics only: the stamps cost a few ns per CTA and the numbers are not the benchmark's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import arms
+
+# trace points (csrc/core/layout.h TracePoint)
+START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY = range(8)
+D, C = 0, 1  # phases
+
+#: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns, crosses GPUs)
+STAGES = [
+    ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: da[MAX_SENT] - da[START], False),
+    ("A dispatch kernel (start -> last CTA end)", lambda da, ca, df, cf: da[MAX_END] - da[START], False),
+    ("A gap: dispatch end -> combine start", lambda da, ca, df, cf: ca[START] - da[MAX_END], False),
+    ("x F receive started before A dispatch", lambda da, ca, df, cf: da[START] - df[START], True),
+    ("x A last sent -> F CTA0 counts seen", lambda da, ca, df, cf: df[WAITED] - da[MAX_SENT], True),
+    ("F counts seen -> offsets ready", lambda da, ca, df, cf: df[READY] - df[WAITED], False),
+    ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: df[MAX_END] - df[READY], False),
+    ("F gap: receive end -> reply start", lambda da, ca, df, cf: cf[START] - df[MAX_END], False),
+    ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: cf[MAX_SENT] - cf[START], False),
+    ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: ca[WAITED] - cf[MAX_SENT], True),
+    ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: ca[MAX_END] - ca[WAITED], False),
+    ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: ca[MAX_END] - da[START], False),
+]
+
+
+def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
+    import torch_afdep
+
+    rk = arms._Rank(rank, world, spec)
+    out: Dict[str, Any] = {"rows": []}
+    cfg = rk.config(spec["hidden"], spec["dtype"])
+    buf = torch_afdep.Buffer(None, cfg, device=rk.device)
+    try:
+        for i, T in enumerate(spec["tokens"]):
+            cell = {"arm": spec["arm"], "layout": "1A1F", "hidden": spec["hidden"],
+                    "dtype": spec["dtype"], "routing": spec["routing"], "tokens": T}
+            c = arms._AfdepCell(rk, cfg, cell, 1000 + i, buf)
+            c.setup()
+            for _ in range(3):
+                c.step()
+            rk.sync()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                c.step()
+            torch.cuda.synchronize()
+            lat = arms._time_graph(rk, graph, spec["warmup"], spec["replays"], -1,
+                                   spec["attention_delay_us"] * 1e-6, spec["queue_ahead_us"])
+            buf.transport.check_error()
+            stamps, ctr = buf.transport.trace()
+            got: List[Any] = [None] * world
+            dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr), group=rk.ctrl)
+            if rk.is_attention:
+                out["rows"].append(summarize(T, got, lat, spec["replays"]))
+            del graph
+            c.release()
+    finally:
+        buf.close()
+    return out
+
+
+def summarize(T: int, got, lat: List[float], replays: int) -> Dict[str, Any]:
+    att = next(g for g in got if g[0] == "attention")
+    ffn = next(g for g in got if g[0] == "ffn")
+    ring = len(att[1])
+    last = att[2][1]  # last combine exchange number
+    n_use = min(replays, ring - 1)
+    per: Dict[str, List[float]] = {name: [] for name, _, _ in STAGES}
+    for n in range(last - n_use + 1, last + 1):
+        da, ca = att[1][n % ring][D], att[1][n % ring][C]
+        df, cf = ffn[1][n % ring][D], ffn[1][n % ring][C]
+        for name, fn, _ in STAGES:
+            per[name].append(fn(da, ca, df, cf) / 1000.0)
+    return {"tokens": T, "latency_us": statistics.median(lat) if lat else None,
+            "stages_us": {k: statistics.median(v) for k, v in per.items() if v}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 2048])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--routing", default="random")
+    p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"])
+    p.add_argument("--sms", type=int, default=24)
+    p.add_argument("--replays", type=int, default=60)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    from torch_afdep.testing import spawn_world
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print("benchmarks.trace needs two CUDA GPUs", file=sys.stderr)
+        return 2
+    import tempfile
+
+    out_dir = tempfile.mkdtemp(prefix="afdep-trace-")
+    results = {}
+    for arm in args.arms:
+        spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1, "capacity": max(args.tokens),
+                "experts": 128, "top_k": 8, "sms": args.sms, "kernel_timeout_s": 20.0,
+                "ctrl_timeout_s": 120, "hidden": args.hidden, "dtype": args.dtype,
+                "routing": args.routing, "tokens": args.tokens, "warmup": 10,
+                "replays": args.replays, "attention_delay_us": 300.0, "queue_ahead_us": 50.0,
+                "out_dir": out_dir}
+        env = {"AFDEP_TRACE": "1", "NCCL_NVLS_ENABLE": "0"}
+        if arm == "symmetric":
+            env["AFDEP_SYMMETRIC"] = "1"
+        res = spawn_world(body, 2, spec, backend="gloo", device_ids=[0, 1], env=env,
+                          timeout=600)
+        rows = res[0]["rows"] or res[1]["rows"]
+        results[arm] = rows
+        print(f"\n== {arm}: 1A1F H{args.hidden} {args.dtype} {args.routing}, "
+              f"{args.sms} SMs (median µs over {args.replays} replays)")
+        names = [n for n, _, _ in STAGES]
+        print(f"{'stage':50s}" + "".join(f"{'T=' + str(r['tokens']):>9s}" for r in rows))
+        print(f"{'event latency (start..end events)':50s}" +
+              "".join(f"{r['latency_us']:9.1f}" for r in rows))
+        for name in names:
+            print(f"{name:50s}" + "".join(f"{r['stages_us'].get(name, float('nan')):9.1f}"
+                                          for r in rows))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
