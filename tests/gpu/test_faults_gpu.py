@@ -1,0 +1,142 @@
+"""Faults on CUDA with real processes: a rank killed (os._exit) in the middle of an exchange,
+and a rank that skips its part of an exchange after healthy ones. Mirrors tests/test_faults.py
+(CPU) on the CUDA transport; bodies in tests/gpu/hostile_bodies.py.
+
+On CUDA a waiting kernel ends at its own deadline (``timeout_s`` from its start) and
+``CudaTransport.check_error()`` raises ``AfdepTimeoutError(peer=, phase=, rank=)``. Every
+survivor must get exactly that, within ``timeout_s`` (+ slack) of launching the wait and of the
+death, and then close without its peers and exit: ``spawn_world`` raises ``WorldError`` naming
+only the killed rank, no child is left, and the world ends long before spawn_world's own
+timeout. Survivors report through per-rank result files (the killed rank makes spawn_world
+raise). Skipped cleanly without two CUDA GPUs or without the built extension.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+gw.skip_unless_two_gpus()
+
+import hostile_bodies as hb  # noqa: E402
+
+from torch_afdep.testing import WorldError, spawn_world  # noqa: E402
+
+ENV = gw.GPU_ENV
+TIMEOUT_S = 3.0
+SLACK_S = 2.0
+WORLD_TIMEOUT = 240.0
+# layout -> (F, A, device of each group rank); group ranks [0, F) are FFN, then Attention
+LAYOUTS = {"1A1F": (1, 1, [0, 1]), "2A2F": (2, 2, [0, 1, 0, 1])}
+
+
+def kw(layout):
+    F, A, _ = LAYOUTS[layout]
+    return dict(capacity_tokens_per_rank=32, hidden_size=1024, num_experts=64, top_k=4,
+                ffn_ranks=F, attention_ranks=A, dtype="bfloat16", num_sms=8,
+                timeout_s=TIMEOUT_S)
+
+
+def _kill_world(layout, scenario, outdir):
+    F, A, devs = LAYOUTS[layout]
+    world = F + A
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        spawn_world(hb.kill_body, world, kw(layout), outdir, scenario, device_ids=devs,
+                    env=ENV, timeout=WORLD_TIMEOUT)
+    return {"message": str(info.value), "elapsed": time.monotonic() - t0,
+            "children": multiprocessing.active_children(),
+            "records": [hb.load_record(outdir, r) for r in range(world)]}
+
+
+def _check_wait(rec, peers, phase):
+    w = rec.get("wait")
+    assert w is not None, f"rank {rec.get('rank')} recorded no wait: {rec.get('error', rec)}"
+    assert w["type"] == "AfdepTimeoutError", w
+    assert w["phase"] == phase and w["peer"] in peers and w["rank"] == rec["rank"], w
+    assert f"rank {w['peer']}" in w["message"] and phase in w["message"], w
+    # the kernel waited its whole deadline (no early, spurious error), and not much longer
+    assert TIMEOUT_S - 0.2 <= w["elapsed"] <= TIMEOUT_S + SLACK_S, w
+    if "after_death" in w:
+        assert w["after_death"] <= TIMEOUT_S + SLACK_S, w
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
+@pytest.mark.parametrize("scenario", ["ffn_after_receive", "attention_before_collect"])
+def test_rank_killed_mid_exchange(layout, scenario, tmp_path):
+    """A rank dies with os._exit mid-exchange after two healthy, checked exchanges.
+    ffn_after_receive: FFN rank 0 dies after its receive; every Attention rank's combine
+    raises AfdepTimeoutError(peer=0, phase='combine'); in 2A2F the other FFN rank's next
+    receive (no Attention rank sends again) raises it with an Attention peer, phase
+    'dispatch'. attention_before_collect: the first Attention rank dies after its dispatch,
+    before its collect, while the FFN ranks already wait in their next receive: they raise
+    (peer = that rank, phase 'dispatch'); in 2A2F the other Attention rank collects its
+    exchange (checked), dispatches the next and raises in combine with an FFN peer. Every
+    survivor raises within timeout_s (+2 s) and closes without its peers in < 2 s; only the
+    killed rank fails the world, and no process is left behind."""
+    F, A, _ = LAYOUTS[layout]
+    ffn, att = list(range(F)), list(range(F, F + A))
+    victim = ffn[0] if scenario == "ffn_after_receive" else att[0]
+    w = _kill_world(layout, scenario, str(tmp_path))
+    assert f"--- rank {victim} failed:" in w["message"], w["message"]
+    assert "process exited with code 1" in w["message"], w["message"]
+    survivors = [r for r in range(F + A) if r != victim]
+    for r in survivors:
+        assert f"--- rank {r} failed:" not in w["message"], w["message"]
+    assert w["children"] == []
+    assert w["elapsed"] < WORLD_TIMEOUT - 60, w["elapsed"]
+    recs = w["records"]
+    assert recs[victim].get("victim") is True, recs[victim]
+    for r in range(F + A):  # the healthy exchanges before the fault were checked everywhere
+        assert len(recs[r].get("healthy", [])) == 2, recs[r]
+    if scenario == "attention_before_collect":
+        assert recs[victim].get("saw_ffn_waiting") is True, recs[victim]
+    for r in survivors:
+        rec = recs[r]
+        assert "error" not in rec, rec["error"]
+        if scenario == "ffn_after_receive":
+            if r in att:
+                _check_wait(rec, [victim], "combine")
+            else:
+                assert rec.get("exchange_n") is True, rec
+                _check_wait(rec, att, "dispatch")
+        else:
+            if r in ffn:
+                _check_wait(rec, [victim], "dispatch")
+                assert "after_death" in rec["wait"], rec
+            else:
+                assert rec.get("exchange_n", 1.0) < 1.5e-2, rec
+                _check_wait(rec, ffn, "combine")
+        assert rec.get("close_s", 99.0) < 2.0, rec
+
+
+def test_skipped_exchange_after_healthy_ones_times_out():
+    """1A1F, after three healthy, checked exchanges a rank skips its part of the next one.
+    Not a duplicate of test_cuda_transport.py::test_timeout_raises (fresh transports, nothing
+    ever sent): here the waiting rank's signal slots already hold the previous exchange's
+    sequence number, which must not satisfy the new wait. Attention skips its dispatch: the
+    FFN receive raises AfdepTimeoutError(peer=1, phase='dispatch', rank=0). FFN receives but
+    skips its reply: the Attention combine raises AfdepTimeoutError(peer=0, phase='combine',
+    rank=1). Each after ~timeout_s; both ranks then close cleanly."""
+    res = spawn_world(hb.skip_body, 2, kw("1A1F"), device_ids=[0, 1], env=ENV, timeout=240)
+    ffn, att = res
+    for part in ("skip_dispatch", "skip_reply"):
+        for r in res:
+            assert len(r[part]["healthy"]) == 3
+            assert r[part]["close_s"] < TIMEOUT_S + SLACK_S + 30.0
+    d = ffn["skip_dispatch"]["wait"]
+    assert (d["type"], d["peer"], d["phase"], d["rank"]) == ("AfdepTimeoutError", 1,
+                                                             "dispatch", 0), d
+    assert ffn["skip_reply"]["received"] is True
+    c = att["skip_reply"]["wait"]
+    assert (c["type"], c["peer"], c["phase"], c["rank"]) == ("AfdepTimeoutError", 0,
+                                                             "combine", 1), c
+    for w in (d, c):
+        assert TIMEOUT_S - 0.2 <= w["elapsed"] <= TIMEOUT_S + SLACK_S, w

@@ -1,0 +1,135 @@
+"""Hostile inputs inside CUDA graph replays (the host cannot see them there), against the
+contract (docs/contract.md), on the CUDA transport.
+
+Every test captures one exchange per rank (Attention: dispatch + combine; FFN: receive, the
+``gpu_worlds.ffn_rows`` expert, reply) per scenario, replays it with fresh hostile inputs
+copied into the captured tensors, poisons every output before each replay, and checks every
+replay on every rank: the Attention output bit for bit against an exact model (NaN and +-Inf
+positions included; tokens without a valid expert exactly zero) and against the fp64
+reference, the route handle, and everything the FFN ranks received (rows, expert offsets,
+weights, payload bits, receipt). Bodies and the hostile input kinds: tests/gpu/hostile_bodies.py.
+
+Layouts: 1A1F = rank 0 FFN on cuda:0, rank 1 Attention on cuda:1; 2A2F = ranks 0, 1 FFN on
+cuda:0, cuda:1, ranks 2, 3 Attention on cuda:0, cuda:1 (two ranks per GPU over CUDA IPC).
+Skipped cleanly without two CUDA GPUs or without the built extension.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+
+gw.skip_unless_two_gpus()
+
+import hostile_bodies as hb  # noqa: E402
+
+from torch_afdep.testing import spawn_world  # noqa: E402
+
+ENV = gw.GPU_ENV
+LAYOUTS = {"1A1F": (1, 1, [0, 1]), "2A2F": (2, 2, [0, 1, 0, 1]), "1A2F": (2, 1, [0, 1, 0])}
+
+
+def kw(layout, cap=128, hidden=2048, experts=128, top_k=8, sms=24, timeout=30.0):
+    F, A, _ = LAYOUTS[layout]
+    return dict(capacity_tokens_per_rank=cap, hidden_size=hidden, num_experts=experts,
+                top_k=top_k, ffn_ranks=F, attention_ranks=A, dtype="bfloat16", num_sms=sms,
+                timeout_s=timeout)
+
+
+def sc(kind, tokens, replays=8, id_dtype="int64"):
+    return {"kind": kind, "tokens": list(tokens), "replays": replays, "id_dtype": id_dtype}
+
+
+def run(layout, cfg_kw, scenarios, seed, dup_mode="contract", timeout=600):
+    F, A, devs = LAYOUTS[layout]
+    return spawn_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
+                       device_ids=devs, env=ENV, timeout=timeout)
+
+
+def _att(stats):
+    return [s for s in stats if s["role"] == "attention"]
+
+
+def _replays(scenarios):
+    """Checks one rank makes: one eager warm-up plus the replays, per scenario."""
+    return sum(1 + s["replays"] for s in scenarios)
+
+
+# (a) out-of-range ids, (c) NaN/Inf payloads, (d) one expert, (f) no route; in 1A1F
+SCEN_1A1F = [
+    sc("bad_ids", [128], 12),
+    sc("bad_ids", [77], 6, "int32"),
+    sc("nonfinite", [128], 8),
+    sc("one_expert", [128], 6),
+    sc("no_route", [64], 4),
+    sc("no_route", [1], 2, "int32"),
+]
+# the same plus (e) T = 0 on some Attention ranks, in 2A2F
+SCEN_2A2F = [
+    sc("bad_ids", [128, 0], 8),
+    sc("bad_ids", [5, 128], 6, "int32"),
+    sc("nonfinite", [0, 128], 6),
+    sc("one_expert", [128, 97], 6),
+    sc("no_route", [128, 0], 3),
+    sc("nonfinite", [0, 0], 3),
+]
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
+def test_hostile_graph_replays(layout):
+    """Out-of-range ids (>= E and < -1, up to +-2**40) in some entries of some tokens:
+    check_error raises AfdepRouteError on the Attention rank after exactly the replays that
+    had them (clean replays in between must not raise: the error does not stick), nothing on
+    the FFN ranks, and every valid entry of every token is exact (the bad ones count as -1).
+    NaN / +-Inf payloads pass through unchanged (NaN stays NaN, Inf stays Inf with its sign;
+    a NaN row without experts gives zeros). All tokens on one expert. Every entry -1: route 0,
+    output exactly zero, the FFN ranks receive nothing. 2A2F adds T = 0 on one or both
+    Attention ranks."""
+    scen = SCEN_1A1F if layout == "1A1F" else SCEN_2A2F
+    stats = run(layout, kw(layout), scen, seed=3)
+    for s in stats:
+        assert s["checked"] == _replays(scen), s
+    for s in _att(stats):
+        assert s["route_errors"] > 0 and s["dup_route_errors"] == 0, s
+        assert s["nonfinite_out"] > 0 or layout == "2A2F", s  # the NaN/Inf reached the output
+    if layout == "2A2F":
+        assert sum(s["nonfinite_out"] for s in _att(stats)) > 0
+
+
+@pytest.mark.parametrize("layout,experts", [("1A1F", 128), ("2A2F", 128), ("2A2F", 8)],
+                         ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip"])
+def test_graph_duplicate_ids(layout, experts):
+    """Duplicated expert ids within a token (some tokens with all k entries equal): per the
+    contract a duplicate counts once, with its first occurrence's weight
+    (torch_afdep.reference.dedupe): the FFN ranks receive one row per distinct (token,
+    expert), and the output is exact against the deduplicated routing. In the E=8 case
+    (E_local = 4 < top_k = 8, so R = 4) duplicates also push a token past R entries on one
+    FFN rank (the kernel's clipping path); an AfdepRouteError there is allowed but the data
+    must still follow the contract."""
+    scen = [sc("dups", [128] * LAYOUTS[layout][1], 10),
+            sc("dups", [33] * LAYOUTS[layout][1], 4, "int32")]
+    stats = run(layout, kw(layout, experts=experts), scen, seed=5)
+    for s in stats:
+        assert s["checked"] == _replays(scen), s
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "1A2F"])
+def test_hostile_sanitizer_small(layout):
+    """Tiny config, few replays of the 'mixed' hostile kind (out-of-range ids, duplicates,
+    NaN/Inf, tokens without experts, in one exchange), one expert and no route, for
+    compute-sanitizer memcheck (scripts/gpu_suite.sh runs ``pytest -k sanitizer`` under it):
+    no out-of-bounds access. Checked like the other tests, except tokens with duplicated ids
+    (memory safety only here; their data is checked by test_graph_duplicate_ids). 1A2F has
+    E_local = 2 < top_k = 4, so duplicates reach the clipping path."""
+    F, A, _ = LAYOUTS[layout]
+    cfg = kw(layout, cap=16, hidden=256, experts=16 if layout == "1A1F" else 4, top_k=4,
+             sms=4, timeout=120.0)
+    scen = [sc("mixed", [16], 3), sc("mixed", [5], 2, "int32"), sc("one_expert", [16], 1),
+            sc("no_route", [7], 1)]
+    stats = run(layout, cfg, scen, seed=7, dup_mode="memory", timeout=900)
+    for s in _att(stats):
+        assert s["checked"] == _replays(scen) and s["route_errors"] > 0, s
