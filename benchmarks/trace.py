@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 2048])
     p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     p.add_argument("--routing", default="random")
     p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)

@@ -45,6 +45,17 @@ stamp "build done" | tee -a "$OUT/build.log"
 $PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_version())' 2>&1 | tee -a "$OUT/build.log"
 
 # ---- tests ---------------------------------------------------------------------------
+# Layouts with several ranks on one GPU need kernels of several processes to run at once:
+# start a CUDA MPS daemon for the tests (MPS=0 skips; those tests then skip themselves).
+if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    export AFDEP_TEST_SHARED_GPU=1
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    stamp "MPS daemon started: shared-GPU layouts enabled" | tee -a "$OUT/env.log"
+  fi
+fi
 if [ "$MODE" = "smoke" ]; then
   K="eager_role_aware and 1A1F-128-2048 or eager_symmetric and 1A1F or timeout or graph_replays and 1A1F-bfloat16-role_aware"
 elif [ "$MODE" = "custom" ]; then
@@ -58,6 +69,10 @@ stamp "pytest -k '$K'" | tee "$OUT/tests.log"
 timeout "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
   --durations=15 >>"$OUT/tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/tests.log"
+if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS
+  echo quit | nvidia-cuda-mps-control; trap - EXIT
+  unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 tail -25 "$OUT/tests.log"
 
 # ---- compute-sanitizer -------------------------------------------------------------

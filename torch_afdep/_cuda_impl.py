@@ -61,23 +61,28 @@ class CudaTransport:
         self._closed = False
         c = config
         elem = 1 if c.dtype == torch.float8_e4m3fn else 2
+        ffn_ctas = c.ffn_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
         self._comm = _cuda.Comm(
             rank=self.rank, device=self.device.index,
             is_ffn=[1 if r == FFN else 0 for r in c.role_list],
             num_sms=c.num_sms, hidden=c.hidden_size, elem=elem, scale_cols=c.scale_cols,
             num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
-            timeout_s=float(c.timeout_s), flags=self.flags)
-        mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint())
+            timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas))
+        #: CTAs of the FFN's receive/reply kernels (every rank must agree: Attention ranks
+        #: count the reply kernel's CTAs)
+        self.ffn_grid = int(self._comm.ffn_grid)
+        mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint(), self.ffn_grid)
         world = dist.get_world_size(cpu_group)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine, group=cpu_group)
-        bad = [r for r, g in enumerate(gathered) if g[1] != self.flags or g[2] != c.fingerprint()]
+        bad = [r for r, g in enumerate(gathered) if g[1] != self.flags or g[2] != c.fingerprint()
+               or g[3] != self.ffn_grid]
         if bad:
             self._comm.close()
             raise RuntimeError(
-                f"torch_afdep: ranks {bad} differ in protocol controls or config "
-                f"(this rank: {controls.describe(self.flags)}); set the same AFDEP_* "
-                "environment on every rank")
+                f"torch_afdep: ranks {bad} differ in protocol controls, config or FFN grid "
+                f"(this rank: {controls.describe(self.flags)}, ffn grid {self.ffn_grid}); set "
+                "the same AFDEP_* environment on every rank (and ffn_sms when the GPUs differ)")
         self._comm.open([g[0] for g in gathered])
         dist.barrier(group=cpu_group)
 

@@ -70,18 +70,23 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (L.k > 32) throw std::invalid_argument("the CUDA path supports top_k <= 32");
   if (L.row_bytes % 16 || L.H % 8) throw std::invalid_argument("hidden rows must be 16-byte multiples");
   if (L.S < 1 || L.S > 1024) throw std::invalid_argument("num_sms out of range");
+  if (L.A > kMaxAttn) throw std::invalid_argument("at most 1024 Attention ranks");
+  if (cfg.ffn_ctas < 1 || cfg.ffn_ctas > 4096) throw std::invalid_argument("ffn_ctas out of range");
+  // The FFN's receive/reply kernels do local work (expansion, reduction) and may use more CTAs
+  // than the senders' S channels; only with the directional protocol (layout.h kWideNeeds).
+  L.G = ((L.flags & kWideNeeds) == kWideNeeds) ? cfg.ffn_ctas : L.S;
+  L.Gmax = L.G > L.S ? L.G : L.S;
   compute_offsets(L);
   union_bytes_ = union_window_bytes(L);
   if (dispatch_smem_bytes(L) > 200 * 1024)
     throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
 
-  // device workspace: peer table [W] u64 | counters [2][S] u64 | ffn [F] | attn [A] | cursors [2][El]
+  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | ffn [F] | attn [A]
   const size_t o_peer = 0;
   const size_t o_ctr = o_peer + (size_t)L.W * 8;
-  const size_t o_ffn = o_ctr + (size_t)2 * L.S * 8;
+  const size_t o_ffn = o_ctr + (size_t)2 * L.Gmax * 8;
   const size_t o_attn = o_ffn + (size_t)L.F * 4;
-  const size_t o_cur = (o_attn + (size_t)L.A * 4 + 15) / 16 * 16;
-  const size_t ws_bytes = o_cur + (size_t)2 * L.El * 4;
+  const size_t ws_bytes = o_attn + (size_t)L.A * 4;
   check(cudaMalloc(&workspace_, ws_bytes), "cudaMalloc(workspace)");
   check(cudaMemset(workspace_, 0, ws_bytes), "cudaMemset(workspace)");
   char* ws = static_cast<char*>(workspace_);
@@ -91,7 +96,6 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.counters = reinterpret_cast<uint64_t*>(ws + o_ctr);
   L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
   L.rank_of_attn = reinterpret_cast<const int*>(ws + o_attn);
-  L.cursors = reinterpret_cast<int*>(ws + o_cur);
 
   void* eh = nullptr;
   check(cudaHostAlloc(&eh, sizeof(ErrorBlock), cudaHostAllocMapped), "cudaHostAlloc(error block)");
@@ -161,7 +165,7 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   a.do_recv = all_peers ? 1 : 0;
   a.real_recv = 0;
   a.bucket = 1;
-  check(launch_dispatch(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
+  check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
 }
 
 void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, uint64_t offsets,
@@ -188,7 +192,7 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   a.out_token_rows = reinterpret_cast<int*>(token_rows);
   a.out_token_index = reinterpret_cast<int*>(token_index);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
-  check(launch_dispatch(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch receive");
+  check(launch_dispatch(L_, a, L_.G, reinterpret_cast<cudaStream_t>(stream)), "launch receive");
 }
 
 void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
@@ -207,7 +211,7 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.bucket = bucket;
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
-  check(launch_combine(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch reply");
+  check(launch_combine(L_, a, L_.G, reinterpret_cast<cudaStream_t>(stream)), "launch reply");
 }
 
 void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
@@ -224,7 +228,7 @@ void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
   a.route = reinterpret_cast<const int64_t*>(route);
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
-  check(launch_combine(L_, a, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+  check(launch_combine(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
 }
 
 std::vector<uint64_t> Comm::trace() {
@@ -238,7 +242,7 @@ std::vector<uint64_t> Comm::trace() {
   // CTA 0's exchange counters of both phases: which ring entries are the latest
   uint64_t c0 = 0, c1 = 0;
   check(cudaMemcpy(&c0, L_.counters, 8, cudaMemcpyDeviceToHost), "copy counter");
-  check(cudaMemcpy(&c1, L_.counters + L_.S, 8, cudaMemcpyDeviceToHost), "copy counter");
+  check(cudaMemcpy(&c1, L_.counters + L_.Gmax, 8, cudaMemcpyDeviceToHost), "copy counter");
   v[(size_t)kTraceRing * 2 * kTracePts] = c0;
   v[(size_t)kTraceRing * 2 * kTracePts + 1] = c1;
   return v;

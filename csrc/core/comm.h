@@ -17,7 +17,8 @@ struct CommConfig {
   int rank = 0;
   int device = 0;
   std::vector<int> is_ffn;  // per group rank: 1 FFN, 0 Attention
-  int num_sms = 24;
+  int num_sms = 24;   // S: CTAs (channels) of the senders' kernels
+  int ffn_ctas = 24;  // CTAs of the FFN's receive/reply kernels when the grid is wide
   int hidden = 0;
   int elem = 2;  // payload bytes per element (2 bf16, 1 fp8)
   int scale_cols = 0;
@@ -42,6 +43,7 @@ class Comm {
   void open(const std::vector<std::string>& handles);
   int64_t registered_bytes() const { return L_.window_bytes; }
   int64_t union_bytes() const { return union_bytes_; }
+  int ffn_grid() const { return L_.G; }
   const Layout& layout() const { return L_; }
   bool is_ffn() const { return L_.is_ffn != 0; }
 
@@ -64,7 +66,7 @@ class Comm {
   int device_;
   int64_t union_bytes_ = 0;
   std::unique_ptr<Transport> transport_;
-  void* workspace_ = nullptr;  // peer table, role tables, counters, cursors
+  void* workspace_ = nullptr;  // peer table, counters, role tables
   ErrorBlock* err_host_ = nullptr;
   void* trace_ = nullptr;
   bool opened_ = false, closed_ = false;

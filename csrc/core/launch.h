@@ -11,7 +11,8 @@ namespace afdep {
 
 size_t dispatch_smem_bytes(const Layout& L);
 cudaError_t dispatch_prepare(const Layout& L);
-cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, cudaStream_t stream);
-cudaError_t launch_combine(const Layout& L, const CombineArgs& a, cudaStream_t stream);
+// grid: S for senders (and every rank of the reverted protocol), L.G for the FFN's kernels.
+cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream);
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream);
 
 }  // namespace afdep

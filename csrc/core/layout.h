@@ -14,8 +14,14 @@ enum ControlFlags : uint32_t {
   F_RECEIVER_WAIT_ONLY = 1u << 3,  // only receivers wait, per channel (else full exit barrier)
   F_ROLE_WARPS = 1u << 4,          // each role runs only its stage (else both, with dummies)
   F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
+  F_FFN_WIDE = 1u << 6,            // FFN receive/reply run ffn_ctas CTAs (else S, like senders)
 };
-constexpr uint32_t kAllRoleAware = 0x3f;
+constexpr uint32_t kAllRoleAware = 0x7f;
+constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
+// The wide FFN grid needs the directional protocol (the barriers and dummy stages of the
+// reverted controls are per channel, i.e. S CTAs on every rank).
+constexpr uint32_t kWideNeeds = F_FFN_WIDE | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
+                                F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
 
@@ -54,8 +60,10 @@ struct Layout {
   // sizes
   int H, elem, row_bytes, scale_cols;
   int E, El, k, R, C;
+  int G;          // CTAs of the FFN's receive and reply kernels (S unless F_FFN_WIDE)
+  int Gmax;       // max(S, G): stride of the per-CTA counters
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
-  int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R])
+  int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
   int nsrc_c;     // combine inbox sources (F role-aware, W union)
   uint32_t flags;
@@ -63,7 +71,7 @@ struct Layout {
   // window offsets (identical on every rank)
   int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, pad, i32 ecnt[El]}
   int64_t off_disp_done;        // u64 [W][S]
-  int64_t off_comb_done;        // u64 [W][S]
+  int64_t off_comb_done;        // u64 [W]: CTAs of source rank's reply kernels done, summed
   int64_t off_entry;            // u64 [2][W][S]
   int64_t off_exit;             // u64 [2][W][S]
   int64_t off_data;             // start of the data area
@@ -74,8 +82,7 @@ struct Layout {
   const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
   const int* rank_of_ffn;      // [F]
   const int* rank_of_attn;     // [A]
-  uint64_t* counters;          // [2][S] per-CTA exchange counters (device-local)
-  int* cursors;                // [2][El] per-expert row cursors (device-local)
+  uint64_t* counters;          // [2][max(S, G)] per-CTA exchange counters (device-local)
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
 };
@@ -86,7 +93,7 @@ inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 inline void compute_offsets(Layout& L) {
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   L.slots = (L.C + L.S - 1) / L.S;
-  L.meta_ints = (int)round_up(2 + 2 * L.R, 4);
+  L.meta_ints = (int)round_up(2 + 3 * L.R, 4);
   L.nsrc_d = role ? L.A : L.W;
   L.nsrc_c = role ? L.F : L.W;
   const int64_t ws = (int64_t)L.W * L.S;
@@ -94,7 +101,7 @@ inline void compute_offsets(Layout& L) {
   L.cnt_stride = 16 + round_up((int64_t)L.El * 4, 16);
   L.off_cnt = o;        o += ws * L.cnt_stride;
   L.off_disp_done = o;  o += ws * 8;
-  L.off_comb_done = o;  o += ws * 8;
+  L.off_comb_done = o;  o += (int64_t)L.W * 8;
   L.off_entry = o;      o += 2 * ws * 8;
   L.off_exit = o;       o += 2 * ws * 8;
   o = round_up(o, 256);

@@ -28,12 +28,14 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   return v;
 }
 
-// FFN: one token of inbox slot `item` -> one reduced row in its Attention rank's inbox.
-__device__ void reply_token(const Layout& L, const CombineArgs& a, size_t item, int ai, int lane,
-                            int (*s_rows)[32], int warp, int src_idx) {
+// FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
+// (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
+__device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, int ai, int v0,
+                            int v1, bool first, int lane, int (*s_rows)[32], int warp,
+                            int src_idx) {
   const int tok = a.token_index[item];
   if (tok < 0 || tok >= L.C) {
-    if (lane == 0) report_route(L.err, tok, 2);
+    if (lane == 0 && first) report_route(L.err, tok, 2);
     return;
   }
   const int rows_cap = L.A * a.bucket * L.R;
@@ -44,17 +46,23 @@ __device__ void reply_token(const Layout& L, const CombineArgs& a, size_t item, 
   const int nvalid = __popc(b);
   if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
   __syncwarp();
-  if (nvalid == 0) return;
   const int nv = L.H / 8;
   int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[ai]) + L.off_comb) +
               ((size_t)src_idx * L.C + tok) * nv;
   const int4* rows = static_cast<const int4*>(a.rows);
   if (nvalid == 1) {
-    warp_copy16<false>(dst, rows + (size_t)s_rows[warp][0] * nv, nv, lane);
+    warp_copy16<false>(dst + v0, rows + (size_t)s_rows[warp][0] * nv + v0, v1 - v0, lane);
   } else {
-    for (int i = lane; i < nv; i += 32) {
+    for (int i = v0 + lane; i < v1; i += 32) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       int r = 0;
+      for (; r + 8 <= nvalid; r += 8) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = ld_nc_v4(rows + (size_t)s_rows[warp][r + u] * nv + i);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) add_bf16x8(acc, v[u]);
+      }
       for (; r + 4 <= nvalid; r += 4) {
         int4 v[4];
 #pragma unroll
@@ -69,8 +77,9 @@ __device__ void reply_token(const Layout& L, const CombineArgs& a, size_t item, 
   __syncwarp();
 }
 
-// Attention: out[t] = fp32 sum over FFN ranks in route[t] of their reply rows.
-__device__ void collect_token(const Layout& L, const CombineArgs& a, int t, int lane) {
+// Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows.
+__device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
+                              int lane) {
   const uint64_t mask = (uint64_t)a.route[t];
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
@@ -79,14 +88,14 @@ __device__ void collect_token(const Layout& L, const CombineArgs& a, int t, int 
   if (L.F == 1 && (L.flags & F_SINGLE_FFN)) {
     if (mask & 1ull) {
       const int src = role ? 0 : L.rank_of_ffn[0];
-      warp_copy16<true>(out, inbox + ((size_t)src * L.C + t) * nv, nv, lane);
+      warp_copy16<true>(out + v0, inbox + ((size_t)src * L.C + t) * nv + v0, v1 - v0, lane);
     } else {
       const int4 z = make_int4(0, 0, 0, 0);
-      for (int i = lane; i < nv; i += 32) out[i] = z;
+      for (int i = v0 + lane; i < v1; i += 32) out[i] = z;
     }
     return;
   }
-  for (int i = lane; i < nv; i += 32) {
+  for (int i = v0 + lane; i < v1; i += 32) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     uint64_t m = mask;
     if (L.F < 64) m &= (1ull << L.F) - 1;
@@ -102,14 +111,16 @@ __device__ void collect_token(const Layout& L, const CombineArgs& a, int t, int 
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   __shared__ int s_rows[kWarps][32];
+  __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
-  const uint64_t n = L.counters[kPhaseCombine * L.S + c] + 1;
+  const uint64_t n = L.counters[kPhaseCombine * L.Gmax + c] + 1;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const bool all_peers = !(fl & F_ROLE_WARPS);
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
+  const int nv = L.H / 8;
   trace_mark(L, kPhaseCombine, n, kTrStart, -1);
 
   if (!(fl & F_NO_ENTRY_BARRIER)) {
@@ -119,20 +130,30 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   if (a.do_send) {
     if (a.real_send) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
-      const size_t total = (size_t)L.A * a.bucket;
-      for (size_t item = gw; item < total; item += nw) {
-        const int ai = (int)(item / a.bucket), s = (int)(item % a.bucket);
-        if (s >= min(a.num_tokens[ai], a.bucket)) continue;
-        reply_token(L, a, item, ai, lane, s_rows, warp, src_idx);
+      for (int ai = tid; ai < L.A; ai += blockDim.x)
+        s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
+      __syncthreads();
+      if (warp == 0) warp_exclusive_scan(s_tb, L.A, lane);
+      __syncthreads();
+      const int items = s_tb[L.A];
+      const int nch = chunks_per_row(items, nw, nv);
+      const int cv = (nv + nch - 1) / nch;
+      for (int u = gw; u < items * nch; u += nw) {
+        const int h = u % nch, q = u / nch;
+        const int ai = upper_index(s_tb, L.A, q);
+        const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
+        const int v0 = h * cv, v1 = min(nv, v0 + cv);
+        if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
       }
     }
     __syncthreads();
     if (rwo) {
+      // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
         const int d = all_peers ? ti : L.rank_of_attn[ti];
         fence_acq_rel_sys();
-        st_release_sys(sig_slot(peer_base(L, d), L.off_comb_done, L.W, L.S, L.rank, c), n);
+        red_add_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, d) + L.off_comb_done) + L.rank, 1);
       }
     }
     trace_mark(L, kPhaseCombine, n, kTrSent, kTrMaxSent);
@@ -144,30 +165,38 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
   if (a.do_recv) {
     if (rwo) {
+      // every source's reply kernel ran G CTAs (S when the grid is not wide): n exchanges done
+      // when its count reaches n * G
       const int nsrc = all_peers ? L.W : L.F;
       bool ok = true;
-      for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
-        const int sr = all_peers ? i / L.S : L.rank_of_ffn[i / L.S];
-        ok = wait_geq(sig_slot(mine, L.off_comb_done, L.W, L.S, sr, i % L.S), n, deadline, L.err,
-                      kPhaseCombine, sr, L.rank);
+      for (int i = tid; i < nsrc && ok; i += blockDim.x) {
+        const int sr = all_peers ? i : L.rank_of_ffn[i];
+        ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr,
+                      n * (uint64_t)L.G, deadline, L.err, kPhaseCombine, sr, L.rank);
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
     trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
     if (a.real_recv) {
-      for (int t = gw; t < a.T; t += nw) collect_token(L, a, t, lane);
+      const int nch = chunks_per_row(a.T, nw, nv);
+      const int cv = (nv + nch - 1) / nch;
+      for (int u = gw; u < a.T * nch; u += nw) {
+        const int h = u % nch, t = u / nch;
+        const int v0 = h * cv, v1 = min(nv, v0 + cv);
+        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane);
+      }
     }
   }
 
   __syncthreads();
   trace_mark(L, kPhaseCombine, n, kTrEnd, kTrMaxEnd);
-  if (tid == 0) L.counters[kPhaseCombine * L.S + c] = n;
+  if (tid == 0) L.counters[kPhaseCombine * L.Gmax + c] = n;
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const Layout& L, const CombineArgs& a, cudaStream_t stream) {
-  combine_kernel<<<L.S, kThreads, 0, stream>>>(L, a);
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream) {
+  combine_kernel<<<grid, kThreads, 0, stream>>>(L, a);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,11 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Atomic add with release semantics at system scope (peer memory over NVLink included).
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
@@ -60,7 +65,7 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
 template <bool kSrcCg>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src,
                                             int nv, int lane) {
-  constexpr int U = 4;
+  constexpr int U = 8;
   for (int i = lane; i < nv; i += 32 * U) {
     int4 v[U];
 #pragma unroll
@@ -74,6 +79,44 @@ __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* 
       if (j < nv) dst[j] = v[u];
     }
   }
+}
+
+// Exclusive prefix sum of v[0..m) in place by one warp; v[m] = total.
+__device__ __forceinline__ void warp_exclusive_scan(int* v, int m, int lane) {
+  const int per = (m + 31) / 32;
+  const int b0 = min(lane * per, m), b1 = min(b0 + per, m);
+  int local = 0;
+  for (int e = b0; e < b1; ++e) local += v[e];
+  int incl = local;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += x;
+  }
+  int run = incl - local;
+  for (int e = b0; e < b1; ++e) {
+    const int x = v[e];
+    v[e] = run;
+    run += x;
+  }
+  if (lane == 31) v[m] = incl;
+}
+
+// Largest g in [0, m) with v[g] <= q (v non-decreasing, v[0] <= q).
+__device__ __forceinline__ int upper_index(const int* v, int m, int q) {
+  int lo = 0, hi = m - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (v[mid] <= q) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Chunks per row so that `items` rows keep about two units per warp of the grid busy; a chunk
+// is at least one 16-byte vector per lane.
+__device__ __forceinline__ int chunks_per_row(int items, int warps, int nv) {
+  if (items <= 0 || items >= 2 * warps) return 1;
+  const int most = max(nv / 32, 1);
+  return min(most, (2 * warps + items - 1) / items);
 }
 
 // ---- error reporting into host-mapped memory ---------------------------------------------

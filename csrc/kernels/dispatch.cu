@@ -10,25 +10,36 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-// Sender side of one token (one warp). count_only: only claim slots and count experts.
-__device__ void send_token(const Layout& L, const DispatchArgs& a, int t, bool count_only,
-                           bool add_ecnt, int* s_cnt, int* s_ecnt, int src_idx, int c) {
+// Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
+// k expert ids; duplicated ids count once (first occurrence); for each reached FFN rank one
+// slot of region (src, c) is claimed with a shared atomic, and each local entry takes the next
+// position of its expert within this CTA (s_ecnt), which the receiver turns into the row of
+// the expert-major layout without any atomics. Unless count_only, the slot's metadata is
+// written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
+__device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i, bool count_only,
+                            int* s_cnt, int* s_ecnt, int* s_slot, int src_idx, int c) {
   const int lane = threadIdx.x & 31;
   long long e = -1;
   float w = 0.f;
   if (lane < L.k) {
-    const size_t i = (size_t)t * L.k + lane;
-    e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[i]
-                 : (long long)reinterpret_cast<const int*>(a.expert_ids)[i];
-    w = a.weights[i];
+    const size_t j = (size_t)t * L.k + lane;
+    e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
+                 : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
+    w = a.weights[j];
   }
-  const bool valid = lane < L.k && e >= 0 && e < L.E;
+  bool valid = lane < L.k && e >= 0 && e < L.E;
   if (!count_only && lane < L.k && (e < -1 || e >= L.E)) report_route(L.err, e, 0);
+  const unsigned same = __match_any_sync(kFull, valid ? e : -2 - (long long)lane);
+  valid = valid && (same & lanemask_lt()) == 0;
   const int f = valid ? (int)(e / L.El) : -1;
   const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
   const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
   uint64_t mask = (uint64_t)lo | ((uint64_t)hi << 32);
-  if (!count_only && lane == 0) a.route[t] = (int64_t)mask;
+  if (!count_only) {
+    if (lane == 0) a.route[t] = (int64_t)mask;
+    for (int q = lane; q < L.F; q += 32) s_slot[i * L.F + q] = -1;
+    __syncwarp();
+  }
   while (mask) {
     const int fd = __ffsll((long long)mask) - 1;
     mask &= mask - 1;
@@ -40,12 +51,14 @@ __device__ void send_token(const Layout& L, const DispatchArgs& a, int t, bool c
     if (lane == 0) slot = atomicAdd(&s_cnt[fd], 1);
     slot = __shfl_sync(kFull, slot, 0);
     const bool mine = valid && f == fd && r < L.R;
-    if (add_ecnt && mine) atomicAdd(&s_ecnt[e], 1);
+    int pos = 0;
+    if (mine) pos = atomicAdd(&s_ecnt[e], 1);
     if (count_only) continue;
     if (slot >= L.slots) {  // cannot happen with T <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
       continue;
     }
+    if (lane == 0) s_slot[i * L.F + fd] = slot;
     char* base = peer_base(L, L.rank_of_ffn[fd]);
     const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
     int* meta = reinterpret_cast<int*>(base + L.off_meta) + gslot * L.meta_ints;
@@ -56,15 +69,37 @@ __device__ void send_token(const Layout& L, const DispatchArgs& a, int t, bool c
     if (mine) {
       meta[2 + r] = (int)(e - (long long)fd * L.El);
       meta[2 + L.R + r] = __float_as_int(w);
+      meta[2 + 2 * L.R + r] = pos;
     }
+  }
+}
+
+// Copy stage: every (token, destination) row of this CTA, split into chunks when there are
+// fewer rows than warps, so one token's row is spread over the whole CTA.
+__device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int ntok,
+                            const int* s_slot, int src_idx, int c) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nv = L.row_bytes / 16;
+  const int pairs = ntok * L.F;
+  const int nch = chunks_per_row(pairs, kWarps / 2, nv);
+  const int cv = (nv + nch - 1) / nch;
+  for (int u = warp; u < pairs * nch; u += kWarps) {
+    const int pi = u / nch, h = u % nch;
+    const int i = pi / L.F, fd = pi % L.F;
+    const int slot = s_slot[i * L.F + fd];
+    if (slot < 0) continue;
+    const int t = lo + i;
+    char* base = peer_base(L, L.rank_of_ffn[fd]);
+    const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                     (size_t)t * L.row_bytes);
     int4* dst = reinterpret_cast<int4*>(base + L.off_payload + gslot * L.row_bytes);
-    warp_copy16<false>(dst, src, L.row_bytes / 16, lane);
-    if (L.scale_cols) {
+    if (v1 > v0) warp_copy16<false>(dst + v0, src + v0, v1 - v0, lane);
+    if (h == 0 && L.scale_cols) {
       const float* ss = a.x_scales + (size_t)t * L.scale_cols;
       float* ds = reinterpret_cast<float*>(base + L.off_scales) + gslot * L.scale_cols;
-      for (int i = lane; i < L.scale_cols; i += 32) ds[i] = ss[i];
+      for (int q = lane; q < L.scale_cols; q += 32) ds[q] = ss[q];
     }
   }
 }
@@ -107,114 +142,98 @@ __device__ __forceinline__ int blk_count(const Layout& L, char* mine, int src_ra
   return ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, src_rank, ch) + 8));
 }
 
-// Receiver side: expand every arrived token into the expert-major outputs.
+// Receiver side: expand every arrived token into the expert-major outputs. Rows are placed
+// without atomics: row = offset of the expert + rows of that expert in earlier regions (source,
+// channel) + the entry's position within its region (from the sender). Work is split into
+// (token, local entry, chunk of the row) units over every warp of the grid.
 __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
   char* mine = peer_base(L, L.rank);
-  int* s_off = smem;               // [El + 1] per-expert totals, then prefix sums
-  int* s_rc = smem + L.El + 1;     // [A * S] tokens per (source, channel)
-  __shared__ int s_rows[kWarps][32];
-  const int nreg = L.A * L.S;
-  for (int e = tid; e <= L.El; e += blockDim.x) s_off[e] = 0;
-  for (int i = tid; i < nreg; i += blockDim.x)
-    s_rc[i] = blk_count(L, mine, L.rank_of_attn[i / L.S], i % L.S);
-  __syncthreads();
-  // per-expert totals over every (source, channel): independent loads, shared atomics
-  for (int i = tid; i < nreg * L.El; i += blockDim.x) {
-    const int g = i / L.El, e = i % L.El;
-    const int v = ld_cg_i32(
+  const int nreg = L.A * L.S, El = L.El;
+  int* s_tab = smem;                // [nreg][El] rows per (region, expert) -> prefix over regions
+  int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
+  int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
+  for (int i = tid; i < nreg * El; i += blockDim.x) {
+    const int g = i / El, e = i % El;
+    s_tab[i] = ld_cg_i32(
         reinterpret_cast<const int*>(cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
-    if (v) atomicAdd(&s_off[e], v);
   }
+  for (int g = tid; g < nreg; g += blockDim.x)
+    s_rb[g] = min(max(blk_count(L, mine, L.rank_of_attn[g / L.S], g % L.S), 0), L.slots);
   __syncthreads();
-  if (warp == 0) {  // exclusive prefix sums over El entries, one warp
-    const int per = (L.El + 31) / 32;
-    const int b0 = min(lane * per, L.El), b1 = min(b0 + per, L.El);
-    int local = 0;
-    for (int e = b0; e < b1; ++e) local += s_off[e];
-    int incl = local;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    int run = incl - local;
-    for (int e = b0; e < b1; ++e) {
-      const int v = s_off[e];
-      s_off[e] = run;
+  for (int e = tid; e < El; e += blockDim.x) {
+    int run = 0;
+    for (int g = 0; g < nreg; ++g) {
+      const int v = s_tab[g * El + e];
+      s_tab[g * El + e] = run;
       run += v;
     }
-    if (lane == 31) s_off[L.El] = incl;
+    s_off[e] = run;
   }
+  __syncthreads();
+  if (warp == 0) warp_exclusive_scan(s_off, El, lane);
+  if (warp == 1) warp_exclusive_scan(s_rb, nreg, lane);
   __syncthreads();
   trace_mark(L, kPhaseDispatch, n, kTrReady, -1);
   const int rows_cap = L.A * a.bucket * L.R;
-  int* cur = L.cursors + (size_t)(n & 1) * L.El;
   if (c == 0) {
-    int* nxt = L.cursors + (size_t)((n + 1) & 1) * L.El;
-    for (int e = tid; e <= L.El; e += blockDim.x) {
-      a.out_offsets[e] = min(s_off[e], rows_cap);
-      if (e < L.El) nxt[e] = 0;
-    }
-    for (int ai = tid; ai < L.A; ai += blockDim.x) {
-      int tot = 0;
-      for (int ch = 0; ch < L.S; ++ch) tot += s_rc[ai * L.S + ch];
-      a.out_num_tokens[ai] = min(tot, a.bucket);
-    }
+    for (int e = tid; e <= El; e += blockDim.x) a.out_offsets[e] = min(s_off[e], rows_cap);
+    for (int ai = tid; ai < L.A; ai += blockDim.x)
+      a.out_num_tokens[ai] = min(s_rb[(ai + 1) * L.S] - s_rb[ai * L.S], a.bucket);
   }
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-  for (int g = c; g < L.A * L.S; g += gridDim.x) {
-    const int ai = g / L.S, ch = g % L.S;
+  const int nv = L.row_bytes / 16;
+  const int ntok = s_rb[nreg];
+  const int items = ntok * L.R;
+  const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
+  const int nch = chunks_per_row(items, nw, nv);
+  const int cv = (nv + nch - 1) / nch;
+  for (int u = gw; u < items * nch; u += nw) {
+    const int h = u % nch, it = u / nch;
+    const int r = it % L.R, q = it / L.R;
+    const int g = upper_index(s_rb, nreg, q);
+    const int ai = g / L.S, ch = g % L.S, j = q - s_rb[g];
+    const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
+    if (s >= a.bucket) {
+      if (lane == 0 && r == 0 && h == 0) report_route(L.err, s, 2);
+      continue;
+    }
     const int sr = L.rank_of_attn[ai];
-    const int cnt = min(s_rc[g], L.slots);
-    if (cnt == 0) continue;
-    int s0 = 0;
-    for (int q = 0; q < ch; ++q) s0 += s_rc[ai * L.S + q];
-    const int src_idx = role ? ai : sr;
-    for (int j = warp; j < cnt; j += kWarps) {
-      const int s = s0 + j;
-      if (s >= a.bucket) {
-        if (lane == 0) report_route(L.err, s, 2);
-        continue;
+    const size_t gslot = ((size_t)(role ? ai : sr) * L.S + ch) * L.slots + j;
+    const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + gslot * L.meta_ints;
+    const int tok = ld_cg_i32(meta);
+    const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
+    const size_t item = (size_t)ai * a.bucket + s;
+    int row = -1;
+    float w = 0.f;
+    if (r < nloc) {
+      const int el = ld_cg_i32(meta + 2 + r);
+      const int pos = ld_cg_i32(meta + 2 + 2 * L.R + r);
+      w = __int_as_float(ld_cg_i32(meta + 2 + L.R + r));
+      if (el >= 0 && el < El && pos >= 0) {
+        row = s_off[el] + s_tab[g * El + el] + pos;
+        if (row >= s_off[el + 1] || row >= rows_cap) row = -1;
       }
-      const size_t gslot = ((size_t)src_idx * L.S + ch) * L.slots + j;
-      const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + gslot * L.meta_ints;
-      const int tok = ld_cg_i32(meta);
-      const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
-      int myrow = -1;
-      float myw = 0.f;
-      if (lane < nloc) {
-        const int el = ld_cg_i32(meta + 2 + lane);
-        myw = __int_as_float(ld_cg_i32(meta + 2 + L.R + lane));
-        if (el >= 0 && el < L.El) {
-          const int row = s_off[el] + atomicAdd(&cur[el], 1);
-          if (row < s_off[el + 1] && row < rows_cap) myrow = row;
-        }
+    }
+    if (h == 0 && lane == 0) {
+      a.out_token_rows[item * L.R + r] = row;
+      if (r == 0) a.out_token_index[item] = tok;
+      if (row >= 0) {
+        a.out_weights[row] = w;
+        a.out_src_rank[row] = sr;
+        a.out_src_token[row] = tok;
       }
-      const size_t item = (size_t)ai * a.bucket + s;
-      if (lane < L.R) a.out_token_rows[item * L.R + lane] = myrow;
-      if (lane == 0) a.out_token_index[item] = tok;
-      if (myrow >= 0) {
-        a.out_weights[myrow] = myw;
-        a.out_src_rank[myrow] = sr;
-        a.out_src_token[myrow] = tok;
-      }
-      s_rows[warp][lane] = myrow;
-      __syncwarp();
-      const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
-      const int nv = L.row_bytes / 16;
-      for (int r = 0; r < nloc; ++r) {
-        const int row = s_rows[warp][r];
-        if (row < 0) continue;
-        int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
-        warp_copy16<true>(dst, src, nv, lane);
-        if (L.scale_cols) {
-          const float* ss = reinterpret_cast<const float*>(mine + L.off_scales) + gslot * L.scale_cols;
-          float* ds = a.out_scales + (size_t)row * L.scale_cols;
-          for (int i = lane; i < L.scale_cols; i += 32) ds[i] = __int_as_float(ld_cg_i32(reinterpret_cast<const int*>(ss + i)));
-        }
-      }
-      __syncwarp();
+    }
+    if (row < 0) continue;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
+    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
+    if (v1 > v0) warp_copy16<true>(dst + v0, src + v0, v1 - v0, lane);
+    if (h == 0 && L.scale_cols) {
+      const int* ss = reinterpret_cast<const int*>(mine + L.off_scales) + gslot * L.scale_cols;
+      float* ds = a.out_scales + (size_t)row * L.scale_cols;
+      for (int q2 = lane; q2 < L.scale_cols; q2 += 32) ds[q2] = __int_as_float(ld_cg_i32(ss + q2));
     }
   }
 }
@@ -223,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ int smem[];
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
-  const uint64_t n = L.counters[kPhaseDispatch * L.S + c] + 1;
+  const uint64_t n = L.counters[kPhaseDispatch * L.Gmax + c] + 1;
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const bool all_peers = !(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS);
   const bool count_first = !(fl & F_ONE_WAY_COUNTS);
@@ -236,8 +255,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (a.do_send) {
-    int* s_cnt = smem;         // [F] slots claimed per destination FFN
-    int* s_ecnt = smem + L.F;  // [E] rows per global expert
+    int* s_cnt = smem;                 // [F] slots claimed per destination FFN
+    int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
+    int* s_slot = s_ecnt + L.E;        // [ceil(T/S)][F] claimed slot per (token, FFN) or -1
     const int T = a.real_send ? a.T : 0;
     const int chunk = (T + L.S - 1) / L.S;
     const int lo = min(T, c * chunk), hi = min(T, lo + chunk);
@@ -246,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     __syncthreads();
     if (count_first) {
       for (int t = lo + warp; t < hi; t += kWarps)
-        send_token(L, a, t, true, true, s_cnt, s_ecnt, src_idx, c);
+        claim_token(L, a, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
       __syncthreads();
       publish_counts(L, n, true, s_cnt, s_ecnt);
       // everyone spins until every rank's counts arrived
@@ -255,11 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         ok = wait_geq(reinterpret_cast<const uint64_t*>(cnt_block(L, mine, i / L.S, i % L.S)), n,
                       deadline, L.err, kPhaseDispatch, i / L.S, L.rank);
       if (!__syncthreads_and(ok ? 1 : 0)) return;
-      for (int i = tid; i < L.F; i += blockDim.x) s_cnt[i] = 0;
+      // the real pass claims again (same totals), now recording slots and positions
+      for (int i = tid; i < L.F + L.E; i += blockDim.x) smem[i] = 0;
       __syncthreads();
     }
     for (int t = lo + warp; t < hi; t += kWarps)
-      send_token(L, a, t, false, !count_first, s_cnt, s_ecnt, src_idx, c);
+      claim_token(L, a, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
+    __syncthreads();
+    copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
     __syncthreads();
     if (!count_first) {
       publish_counts(L, n, all_peers, s_cnt, s_ecnt);
@@ -295,14 +318,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 
   __syncthreads();
   trace_mark(L, kPhaseDispatch, n, kTrEnd, kTrMaxEnd);
-  if (tid == 0) L.counters[kPhaseDispatch * L.S + c] = n;
+  if (tid == 0) L.counters[kPhaseDispatch * L.Gmax + c] = n;
 }
 
 }  // namespace
 
 size_t dispatch_smem_bytes(const Layout& L) {
-  const size_t send = (size_t)(L.F + L.E) * 4;
-  const size_t recv = (size_t)(L.El + 1 + L.A * L.S) * 4;
+  const size_t send = ((size_t)L.F + L.E + (size_t)L.slots * L.F) * 4;
+  const size_t nreg = (size_t)L.A * L.S;
+  const size_t recv = (nreg * L.El + L.El + 1 + nreg + 1) * 4;
   return send > recv ? send : recv;
 }
 
@@ -314,8 +338,8 @@ cudaError_t dispatch_prepare(const Layout& L) {
   return cudaSuccess;
 }
 
-cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, cudaStream_t stream) {
-  dispatch_kernel<<<L.S, kThreads, dispatch_smem_bytes(L), stream>>>(L, a);
+cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream) {
+  dispatch_kernel<<<grid, kThreads, dispatch_smem_bytes(L), stream>>>(L, a);
   return cudaGetLastError();
 }
 

@@ -399,3 +399,19 @@ def buffer_body(rank, world, cfg_kw, plan, seed0):
     finally:
         buf.close()
     return done
+
+
+def spawn_gpu_world(fn, world, *args, device_ids, **kw):
+    """``spawn_world`` for GPU worlds. Several ranks on one GPU need that GPU to run kernels of
+    several processes at once (the spin-waits assume it): CUDA MPS does, plain time-slicing
+    did not on the lent H200s (a receiver's spinning kernel kept its peer's kernel off the GPU
+    until the receiver timed out). Such worlds skip unless ``AFDEP_TEST_SHARED_GPU=1``, which
+    scripts/gpu_suite.sh sets after it started an MPS daemon."""
+    import pytest
+
+    from torch_afdep.testing import spawn_world
+
+    if len(set(device_ids)) < len(device_ids) and os.environ.get("AFDEP_TEST_SHARED_GPU") != "1":
+        pytest.skip(f"ranks share a GPU (devices {device_ids}): needs CUDA MPS "
+                    "(AFDEP_TEST_SHARED_GPU=1)")
+    return spawn_world(fn, world, *args, device_ids=device_ids, **kw)

@@ -14,7 +14,6 @@ import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
 gw.skip_unless_two_gpus()
 
 
-from torch_afdep.testing import spawn_world  # noqa: E402
 
 ENV = gw.GPU_ENV
 
@@ -28,6 +27,6 @@ def test_buffer_api_cuda(layout, devs, F, A, dtype):
               ffn_ranks=F, attention_ranks=A, dtype=dtype, num_sms=24, timeout_s=10.0)
     plan = [(128, [7, 128][:A], "random"), (16, [0, 16][:A], "partial"),
             (128, [128, 1][:A], "skewed")]
-    res = spawn_world(gw.buffer_body, F + A, kw, plan, 77, device_ids=devs, env=ENV,
+    res = gw.spawn_gpu_world(gw.buffer_body, F + A, kw, plan, 77, device_ids=devs, env=ENV,
                       timeout=300)
     assert all(r == len(plan) for r in res)

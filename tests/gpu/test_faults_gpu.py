@@ -27,7 +27,7 @@ gw.skip_unless_two_gpus()
 
 import hostile_bodies as hb  # noqa: E402
 
-from torch_afdep.testing import WorldError, spawn_world  # noqa: E402
+from torch_afdep.testing import WorldError  # noqa: E402
 
 ENV = gw.GPU_ENV
 TIMEOUT_S = 3.0
@@ -49,7 +49,7 @@ def _kill_world(layout, scenario, outdir):
     world = F + A
     t0 = time.monotonic()
     with pytest.raises(WorldError) as info:
-        spawn_world(hb.kill_body, world, kw(layout), outdir, scenario, device_ids=devs,
+        gw.spawn_gpu_world(hb.kill_body, world, kw(layout), outdir, scenario, device_ids=devs,
                     env=ENV, timeout=WORLD_TIMEOUT)
     return {"message": str(info.value), "elapsed": time.monotonic() - t0,
             "children": multiprocessing.active_children(),
@@ -125,7 +125,7 @@ def test_skipped_exchange_after_healthy_ones_times_out():
     FFN receive raises AfdepTimeoutError(peer=1, phase='dispatch', rank=0). FFN receives but
     skips its reply: the Attention combine raises AfdepTimeoutError(peer=0, phase='combine',
     rank=1). Each after ~timeout_s; both ranks then close cleanly."""
-    res = spawn_world(hb.skip_body, 2, kw("1A1F"), device_ids=[0, 1], env=ENV, timeout=240)
+    res = gw.spawn_gpu_world(hb.skip_body, 2, kw("1A1F"), device_ids=[0, 1], env=ENV, timeout=240)
     ffn, att = res
     for part in ("skip_dispatch", "skip_reply"):
         for r in res:

@@ -27,7 +27,6 @@ gw.skip_unless_two_gpus()
 
 import hostile_bodies as hb  # noqa: E402
 
-from torch_afdep.testing import spawn_world  # noqa: E402
 
 ENV = gw.GPU_ENV
 LAYOUTS = {"1A1F": (1, 1, [0, 1]), "2A2F": (2, 2, [0, 1, 0, 1]), "1A2F": (2, 1, [0, 1, 0])}
@@ -46,7 +45,7 @@ def sc(kind, tokens, replays=8, id_dtype="int64"):
 
 def run(layout, cfg_kw, scenarios, seed, dup_mode="contract", timeout=600):
     F, A, devs = LAYOUTS[layout]
-    return spawn_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
+    return gw.spawn_gpu_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
                        device_ids=devs, env=ENV, timeout=timeout)
 
 

@@ -22,7 +22,6 @@ gw.skip_unless_two_gpus()
 import torch.distributed as dist  # noqa: E402
 
 from torch_afdep import reference as ref  # noqa: E402
-from torch_afdep.testing import spawn_world  # noqa: E402
 
 ENV = gw.GPU_ENV
 H, I, E, K = 1024, 512, 32, 4
@@ -267,7 +266,7 @@ def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_afd_moe_eager_compiled_and_graph_1a1f(dtype):
-    res = spawn_world(moe_body, 2, 1, 1, 64, [64, 17], 10, dtype, device_ids=[0, 1], env=ENV,
+    res = gw.spawn_gpu_world(moe_body, 2, 1, 1, 64, [64, 17], 10, dtype, device_ids=[0, 1], env=ENV,
                       timeout=600)
     ffn, attn = res
     assert ffn["method"] == "grouped"  # bf16 grouped GEMM on sm90
@@ -275,12 +274,12 @@ def test_afd_moe_eager_compiled_and_graph_1a1f(dtype):
 
 
 def test_afd_moe_2a2f_graph():
-    res = spawn_world(moe_body, 4, 2, 2, 32, [32, 5], 5, device_ids=[0, 1, 0, 1], env=ENV,
+    res = gw.spawn_gpu_world(moe_body, 4, 2, 2, 32, [32, 5], 5, device_ids=[0, 1, 0, 1], env=ENV,
                       timeout=600)
     assert all(len(r["errors"]) == 1 + 2 + 2 + 2 * 5 for r in res if r["role"] == "attention")
 
 
 def test_vllm_connector_in_cuda_graphs_1a1f():
-    res = spawn_world(connector_body, 2, 1, 1, 3, [48, 16], 10, device_ids=[0, 1], env=ENV,
+    res = gw.spawn_gpu_world(connector_body, 2, 1, 1, 3, [48, 16], 10, device_ids=[0, 1], env=ENV,
                       timeout=600)
     assert res == [10, 3 * 2 * 11]

@@ -25,7 +25,6 @@ gw.skip_unless_two_gpus()
 import torch.distributed as dist  # noqa: E402
 
 
-from torch_afdep.testing import spawn_world  # noqa: E402
 
 ENV = gw.GPU_ENV
 
@@ -214,7 +213,7 @@ def _kw(F, A, num_slots, cap=128, hidden=2048, dtype="bfloat16"):
 
 def test_three_slots_interleaved_2a2f():
     rounds = [("012", "201"), ("210", "012"), ("102", "120")]
-    res = spawn_world(interleaved_body, 4, _kw(2, 2, 3), rounds, 5, device_ids=[0, 1, 0, 1],
+    res = gw.spawn_gpu_world(interleaved_body, 4, _kw(2, 2, 3), rounds, 5, device_ids=[0, 1, 0, 1],
                       env=ENV, timeout=300)
     assert all(r["checked"] == 9 for r in res)
     for r in res:
@@ -225,15 +224,15 @@ def test_three_slots_interleaved_2a2f():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_two_microbatch_layer_step_in_one_cuda_graph(dtype):
     tokens = {0: [128], 1: [37]}
-    res = spawn_world(two_microbatch_graph_body, 2, _kw(1, 1, 2, dtype=dtype), tokens, 20, 40,
+    res = gw.spawn_gpu_world(two_microbatch_graph_body, 2, _kw(1, 1, 2, dtype=dtype), tokens, 20, 40,
                       device_ids=[0, 1], env=ENV, timeout=300)
     assert res == [20, 40]  # FFN: one check per replay; Attention: one per micro-batch
 
 
 def test_registered_bytes_scale_with_slots():
-    one = spawn_world(interleaved_body, 2, _kw(1, 1, 1), [("0", "0")], 9, device_ids=[0, 1],
+    one = gw.spawn_gpu_world(interleaved_body, 2, _kw(1, 1, 1), [("0", "0")], 9, device_ids=[0, 1],
                       env=ENV, timeout=300)
-    three = spawn_world(interleaved_body, 2, _kw(1, 1, 3), [("012", "012")], 9,
+    three = gw.spawn_gpu_world(interleaved_body, 2, _kw(1, 1, 3), [("012", "012")], 9,
                         device_ids=[0, 1], env=ENV, timeout=300)
     for a, b in zip(one, three):
         assert b["registered"] == 3 * a["registered"] > 0
