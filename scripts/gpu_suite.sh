@@ -66,7 +66,7 @@ else
 fi
 [ -n "${PYTEST_K:-}" ] && K="($K) and ($PYTEST_K)"
 stamp "pytest -k '$K'" | tee "$OUT/tests.log"
-timeout "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
+timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
   --durations=15 >>"$OUT/tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/tests.log"
 if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS

@@ -61,7 +61,7 @@ class CudaTransport:
         self._closed = False
         c = config
         elem = 1 if c.dtype == torch.float8_e4m3fn else 2
-        ffn_ctas = c.ffn_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
+        ffn_ctas = c.ffn_sms or self._auto_ffn_ctas(cpu_group)
         self._comm = _cuda.Comm(
             rank=self.rank, device=self.device.index,
             is_ffn=[1 if r == FFN else 0 for r in c.role_list],
@@ -85,6 +85,24 @@ class CudaTransport:
                 "the same AFDEP_* environment on every rank (and ffn_sms when the GPUs differ)")
         self._comm.open([g[0] for g in gathered])
         dist.barrier(group=cpu_group)
+
+    def _auto_ffn_ctas(self, cpu_group) -> int:
+        """One CTA per SM for the FFN's receive/reply kernels, divided among the group's ranks
+        that share a GPU (their spinning kernels must leave SMs to each other); the minimum
+        over FFN ranks, so every rank agrees (collective)."""
+        props = torch.cuda.get_device_properties(self.device)
+        me = (str(getattr(props, "uuid", "")) or f"dev{self.device.index}", props.multi_processor_count)
+        world = dist.get_world_size(cpu_group)
+        devs = [None] * world
+        dist.all_gather_object(devs, me, group=cpu_group)
+        best = None
+        for r, (uuid, sms) in enumerate(devs):
+            if self.config.role_of(r) != FFN:
+                continue
+            sharing = sum(1 for u, _ in devs if u == uuid)
+            g = max(1, sms // sharing)
+            best = g if best is None else min(best, g)
+        return int(best or props.multi_processor_count)
 
     # ---- sizes ------------------------------------------------------------------------
     @property

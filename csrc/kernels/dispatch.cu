@@ -74,8 +74,25 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
   }
 }
 
-// Copy stage: every (token, destination) row of this CTA, split into chunks when there are
-// fewer rows than warps, so one token's row is spread over the whole CTA.
+// Copy vectors [v0, v1) of token t's row (and, with v0 == 0, its scales) into slot `slot` of
+// region (src_idx, c) at FFN index fd. One warp.
+__device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a, int t, int fd,
+                                         int slot, int src_idx, int c, int v0, int v1, int lane) {
+  char* base = peer_base(L, L.rank_of_ffn[fd]);
+  const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+  const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
+                                                  (size_t)t * L.row_bytes);
+  int4* dst = reinterpret_cast<int4*>(base + L.off_payload + gslot * L.row_bytes);
+  if (v1 > v0) warp_copy16<false>(dst + v0, src + v0, v1 - v0, lane);
+  if (v0 == 0 && L.scale_cols) {
+    const float* ss = a.x_scales + (size_t)t * L.scale_cols;
+    float* ds = reinterpret_cast<float*>(base + L.off_scales) + gslot * L.scale_cols;
+    for (int q = lane; q < L.scale_cols; q += 32) ds[q] = ss[q];
+  }
+}
+
+// Copy stage for few tokens: every (token, destination) row of this CTA, split into chunks so
+// one token's row is spread over the whole CTA.
 __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int ntok,
                             const int* s_slot, int src_idx, int c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,19 +105,7 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int 
     const int i = pi / L.F, fd = pi % L.F;
     const int slot = s_slot[i * L.F + fd];
     if (slot < 0) continue;
-    const int t = lo + i;
-    char* base = peer_base(L, L.rank_of_ffn[fd]);
-    const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
-    const int v0 = h * cv, v1 = min(nv, v0 + cv);
-    const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                    (size_t)t * L.row_bytes);
-    int4* dst = reinterpret_cast<int4*>(base + L.off_payload + gslot * L.row_bytes);
-    if (v1 > v0) warp_copy16<false>(dst + v0, src + v0, v1 - v0, lane);
-    if (h == 0 && L.scale_cols) {
-      const float* ss = a.x_scales + (size_t)t * L.scale_cols;
-      float* ds = reinterpret_cast<float*>(base + L.off_scales) + gslot * L.scale_cols;
-      for (int q = lane; q < L.scale_cols; q += 32) ds[q] = ss[q];
-    }
+    copy_row(L, a, lo + i, fd, slot, src_idx, c, h * cv, min(nv, h * cv + cv), lane);
   }
 }
 
@@ -154,10 +159,20 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
   int* s_tab = smem;                // [nreg][El] rows per (region, expert) -> prefix over regions
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
-  for (int i = tid; i < nreg * El; i += blockDim.x) {
-    const int g = i / El, e = i % El;
-    s_tab[i] = ld_cg_i32(
-        reinterpret_cast<const int*>(cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
+  if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
+    const int q4 = El / 4;
+    for (int i = tid; i < nreg * q4; i += blockDim.x) {
+      const int g = i / q4, e4 = i % q4;
+      const int4 v = ld_cg_v4(reinterpret_cast<const int4*>(
+          cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e4);
+      reinterpret_cast<int4*>(s_tab + (size_t)g * El)[e4] = v;
+    }
+  } else {
+    for (int i = tid; i < nreg * El; i += blockDim.x) {
+      const int g = i / El, e = i % El;
+      s_tab[i] = ld_cg_i32(reinterpret_cast<const int*>(
+          cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
+    }
   }
   for (int g = tid; g < nreg; g += blockDim.x)
     s_rb[g] = min(max(blk_count(L, mine, L.rank_of_attn[g / L.S], g % L.S), 0), L.slots);
@@ -239,7 +254,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
-  extern __shared__ int smem[];
+  extern __shared__ __align__(16) int smem[];
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   const uint64_t n = L.counters[kPhaseDispatch * L.Gmax + c] + 1;
@@ -279,11 +294,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       for (int i = tid; i < L.F + L.E; i += blockDim.x) smem[i] = 0;
       __syncthreads();
     }
-    for (int t = lo + warp; t < hi; t += kWarps)
+    // Many tokens: each warp copies its token right after claiming it (copies overlap the
+    // other warps' claims). Few tokens: claim all, then spread the rows over every warp.
+    const bool fused = hi - lo >= kWarps;
+    const int lane = tid & 31, nv = L.row_bytes / 16;
+    for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
+      if (!fused) continue;
+      __syncwarp();
+      for (int fd = 0; fd < L.F; ++fd) {
+        const int slot = s_slot[(t - lo) * L.F + fd];
+        if (slot >= 0) copy_row(L, a, t, fd, slot, src_idx, c, 0, nv, lane);
+      }
+    }
     __syncthreads();
-    copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
-    __syncthreads();
+    if (!fused) {
+      copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
+      __syncthreads();
+    }
     if (!count_first) {
       publish_counts(L, n, all_peers, s_cnt, s_ecnt);
     } else if (rwo) {
