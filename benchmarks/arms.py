@@ -486,7 +486,9 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
             t = buf.transport
             info = {"registered_bytes": getattr(t, "registered_bytes", None),
                     "union_bytes": getattr(t, "union_bytes", None),
-                    "flags": getattr(t, "flags", None)}
+                    "flags": getattr(t, "flags", None),
+                    # CTAs of the FFN's receive/reply kernels (senders use spec["sms"])
+                    "ffn_grid": getattr(t, "ffn_grid", None)}
         except Exception as e:  # noqa: BLE001
             err = _err(e)
         err = rk.agree(err)

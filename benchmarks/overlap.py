@@ -695,6 +695,7 @@ def markdown(doc: Dict[str, Any]) -> str:
 
 
 def git_commit() -> str:
+    """benchmarks.run's rule: AFDEP_COMMIT names a copied tree, else git HEAD (+ -dirty)."""
     try:
         from .run import git_commit as gc_
 

@@ -336,6 +336,10 @@ def soak_body(rank, world, cfg_kw, opts):
 
 # ---- the run --------------------------------------------------------------------------------
 def git_commit() -> Optional[str]:
+    """HEAD, or AFDEP_COMMIT where the tree is a copy (the device machine's copy may carry a
+    stale .git)."""
+    if os.environ.get("AFDEP_COMMIT"):
+        return os.environ["AFDEP_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
       }
     }
-    __syncthreads();
+    sys_fence_then_sync();
     if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;

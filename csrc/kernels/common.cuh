@@ -159,6 +159,15 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uin
   }
 }
 
+// Before one thread of the CTA signals peers that the CTA's data is written: every thread
+// first orders its own (possibly remote, NVLink) stores at system scope, then the CTA meets.
+// A fence orders the calling thread's stores only; without it the signal could overtake
+// another warp's stores still in flight to the peer.
+__device__ __forceinline__ void sys_fence_then_sync() {
+  fence_acq_rel_sys();
+  __syncthreads();
+}
+
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------
 // Called by every thread at a converged point; thread 0 of CTA 0 stamps `pt`, thread 0 of
 // every CTA folds its stamp into the "latest over CTAs" point `max_pt` (< 0: none).
@@ -204,7 +213,7 @@ __device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_
                                              uint64_t deadline, ErrorBlock* err) {
   const int c = blockIdx.x;
   const int64_t off = L.off_exit + (int64_t)phase * L.W * L.S * 8;
-  __syncthreads();
+  sys_fence_then_sync();
   for (int p = threadIdx.x; p < L.W; p += blockDim.x) {
     fence_acq_rel_sys();
     st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);

@@ -135,6 +135,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
+  fence_acq_rel_sys();  // every writer's own stores first: see sys_fence_then_sync
   __syncthreads();
   for (int ti = threadIdx.x; ti < ntg; ti += blockDim.x) {
     const int d = all_peers ? ti : L.rank_of_ffn[ti];
@@ -307,10 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         if (slot >= 0) copy_row(L, a, t, fd, slot, src_idx, c, 0, nv, lane);
       }
     }
-    __syncthreads();
+    if (fused) sys_fence_then_sync(); else __syncthreads();
     if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
-      __syncthreads();
+      sys_fence_then_sync();
     }
     if (!count_first) {
       publish_counts(L, n, all_peers, s_cnt, s_ecnt);
