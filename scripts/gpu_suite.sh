@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call on the device machine: build, GPU tests (incl. the timeout
-# test), compute-sanitizer memcheck on a small 1A1F exchange, and the latency benchmark.
+# The whole GPU suite in one call on the device machine: build, GPU tests (shared-GPU layouts
+# under CUDA MPS), compute-sanitizer memcheck on small exchanges, and the benchmarks.
 # Logs and JSON go under $OUT (default ./gpu_out). Usage:
-#   scripts/gpu_suite.sh [full|smoke]     (full: everything; smoke: a quick subset)
-# Env: BUILD=pip|cuda-only|skip, PYTEST_K (extra -k filter), BENCH_ARGS (extra args for benchmarks/latency.py),
-#      SKIP_BENCH=1, SKIP_SAN=1, AFDEP_COMMIT (recorded in the benchmark JSON).
+#   scripts/gpu_suite.sh [full|smoke|custom]   (full: every GPU test; smoke: a quick subset;
+#                                               custom: PYTEST_K selects)
+# Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
+#      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
+#      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
+#      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results).
 set -u -o pipefail
 MODE="${1:-full}"
 OUT="${OUT:-$PWD/gpu_out}"
@@ -85,12 +88,29 @@ if [ "${SKIP_SAN:-0}" != "1" ]; then
   grep -E "ERROR SUMMARY|passed|failed|error" "$OUT/sanitizer.log" | tail -8
 fi
 
-# ---- benchmark -----------------------------------------------------------------------
+# ---- benchmarks (each optional; all write JSON/MD under $OUT) ----------------------------
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  stamp "benchmarks/latency.py ${BENCH_ARGS:-}" | tee "$OUT/bench.log"
-  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/latency.py --out "$OUT/latency.json" \
-    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+  stamp "benchmarks.run ${BENCH_ARGS:-}" | tee "$OUT/bench.log"
+  timeout -s INT "${BENCH_TIMEOUT:-300}" $PY -m benchmarks.run --out-dir "$OUT" \
+    --queue-ahead-us 50 ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
   echo "bench rc=$?" | tee -a "$OUT/bench.log"
-  tail -14 "$OUT/bench.log"
+  tail -24 "$OUT/bench.log"
+fi
+if [ -n "${SOAK:-}" ]; then  # SOAK=<replays>, e.g. 100000
+  stamp "benchmarks.soak --replays $SOAK" | tee "$OUT/soak.log"
+  timeout "${SOAK_TIMEOUT:-240}" $PY -m benchmarks.soak --replays "$SOAK" --check-every \
+    "${SOAK_CHECK_EVERY:-100}" --out-dir "$OUT" >>"$OUT/soak.log" 2>&1
+  echo "soak rc=$?" | tee -a "$OUT/soak.log"; tail -3 "$OUT/soak.log"
+fi
+if [ "${OVERLAP:-0}" = "1" ]; then
+  stamp "benchmarks.overlap" | tee "$OUT/overlap.log"
+  timeout 150 $PY -m benchmarks.overlap --out-dir "$OUT" ${OVERLAP_ARGS:-} >>"$OUT/overlap.log" 2>&1
+  echo "overlap rc=$?" | tee -a "$OUT/overlap.log"; tail -14 "$OUT/overlap.log"
+fi
+if [ "${TRACE:-0}" = "1" ]; then
+  stamp "benchmarks.trace" | tee "$OUT/trace.log"
+  timeout 150 $PY -m benchmarks.trace --out "$OUT/trace.json" >>"$OUT/trace.log" 2>&1
+  echo "trace rc=$?" | tee -a "$OUT/trace.log"; tail -34 "$OUT/trace.log"
 fi
 stamp "suite done"

@@ -402,7 +402,8 @@ def buffer_body(rank, world, cfg_kw, plan, seed0):
 
 
 def spawn_gpu_world(fn, world, *args, device_ids, **kw):
-    """``spawn_world`` for GPU worlds. Several ranks on one GPU need that GPU to run kernels of
+    """``spawn_world`` for GPU worlds: one rank per GPU where the machine has enough GPUs
+    (``device_ids`` is the mapping for two GPUs). Several ranks on one GPU need that GPU to run kernels of
     several processes at once (the spin-waits assume it): CUDA MPS does, plain time-slicing
     did not on the lent H200s (a receiver's spinning kernel kept its peer's kernel off the GPU
     until the receiver timed out). Such worlds skip unless ``AFDEP_TEST_SHARED_GPU=1``, which
@@ -411,6 +412,9 @@ def spawn_gpu_world(fn, world, *args, device_ids, **kw):
 
     from torch_afdep.testing import spawn_world
 
+    device_ids = list(device_ids)
+    if len(set(device_ids)) < len(device_ids) and torch.cuda.device_count() >= len(device_ids):
+        device_ids = list(range(len(device_ids)))  # enough GPUs: one rank per GPU
     if len(set(device_ids)) < len(device_ids) and os.environ.get("AFDEP_TEST_SHARED_GPU") != "1":
         pytest.skip(f"ranks share a GPU (devices {device_ids}): needs CUDA MPS "
                     "(AFDEP_TEST_SHARED_GPU=1)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +28,12 @@ LAYOUTS = {
     "2A2F": (2, 2, [0, 1, 0, 1], 128),
     "3A1F": (1, 3, [0, 1, 1, 0], 128),
     "1A3F": (3, 1, [0, 1, 0, 1], 96),
+    # 8-GPU layouts (one rank per GPU; collected only where 8 GPUs are present)
+    "4A4F": (4, 4, list(range(8)), 128),
+    "6A2F": (2, 6, list(range(8)), 128),
+    "7A1F": (1, 7, list(range(8)), 128),
 }
+EIGHT_GPUS = torch.cuda.device_count() >= 8
 
 
 def cfg_kw(layout, cap, hidden, dtype="bfloat16", timeout=10.0):
@@ -70,7 +76,10 @@ CASES = [
     ("3A1F", 2048, 4096, "bfloat16"),
     ("1A3F", 128, 7168, "bfloat16"),
     ("1A3F", 2048, 2048, "float8_e4m3fn"),
-]
+] + ([("4A4F", 128, 4096, "bfloat16"), ("4A4F", 2048, 2048, "float8_e4m3fn"),
+      ("6A2F", 2048, 4096, "bfloat16"), ("6A2F", 128, 7168, "float8_e4m3fn"),
+      ("7A1F", 128, 2048, "float8_e4m3fn"), ("7A1F", 2048, 4096, "bfloat16")]
+     if EIGHT_GPUS else [])
 
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
@@ -121,11 +130,14 @@ def test_registered_bytes_per_role():
 
 @pytest.mark.parametrize("env", [{}, SYM], ids=["role_aware", "symmetric"])
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "float8_e4m3fn")])
+                                          ("2A2F", "float8_e4m3fn"), ("3A1F", "bfloat16"),
+                                          ("1A3F", "float8_e4m3fn")]
+                         + ([("4A4F", "bfloat16"), ("6A2F", "float8_e4m3fn"),
+                             ("7A1F", "bfloat16")] if EIGHT_GPUS else []))
 def test_cuda_graph_replays(layout, dtype, env):
     F, A, devs, _ = LAYOUTS[layout]
     kw = cfg_kw(layout, 128, 2048, dtype)
-    tokens = [7, 128, 1][:A]
+    tokens = [(7, 128, 1)[a % 3] for a in range(A)]
     e = dict(BASE_ENV)
     e.update(env)
     res = gw.spawn_gpu_world(gw.graph_body, F + A, kw, 128, tokens, 100, 5000, device_ids=devs, env=e,
