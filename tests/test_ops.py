@@ -114,6 +114,9 @@ def _normalize(code: str) -> str:
         (dict(roles=("ffn", "ffn")), ValueError, "roles name 2 'ffn' ranks"),
         (dict(roles=("ffn", "expert")), ValueError, "'attention' or 'ffn'"),
         (dict(timeout_s=0), ValueError, "timeout_s must be a positive"),
+        (dict(num_sms=0), ValueError, "num_sms must be in [1, 1024]"),
+        (dict(ffn_sms=-1), ValueError, "ffn_sms must be in [0, 1024]"),
+        (dict(ffn_sms=2000), ValueError, "ffn_sms must be in [0, 1024]"),
     ],
 )
 def test_config_validation(kwargs, exc, fragment):
