@@ -487,8 +487,10 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
             info = {"registered_bytes": getattr(t, "registered_bytes", None),
                     "union_bytes": getattr(t, "union_bytes", None),
                     "flags": getattr(t, "flags", None),
-                    # CTAs of the FFN's receive/reply kernels (senders use spec["sms"])
-                    "ffn_grid": getattr(t, "ffn_grid", None)}
+                    # CTAs of the FFN's receive/reply and the Attention's combine kernels
+                    # (senders use spec["sms"])
+                    "ffn_grid": getattr(t, "ffn_grid", None),
+                    "attn_grid": getattr(t, "attn_grid", None)}
         except Exception as e:  # noqa: BLE001
             err = _err(e)
         err = rk.agree(err)

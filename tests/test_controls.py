@@ -24,8 +24,8 @@ def test_each_control_reverts_only_its_bit(name):
 
 
 def test_bad_value_names_the_variable():
-    with pytest.raises(ValueError, match="AFDEP_FFN_WIDE must be 0 or 1"):
-        controls.flags({"AFDEP_FFN_WIDE": "maybe"})
+    with pytest.raises(ValueError, match="AFDEP_WIDE_LOCAL must be 0 or 1"):
+        controls.flags({"AFDEP_WIDE_LOCAL": "maybe"})
 
 
 def test_bits_match_the_cuda_extension():
@@ -35,7 +35,7 @@ def test_bits_match_the_cuda_extension():
              "AFDEP_ONE_WAY_COUNTS": "ONE_WAY_COUNTS",
              "AFDEP_RECEIVER_WAIT_ONLY": "RECEIVER_WAIT_ONLY",
              "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
-             "AFDEP_FFN_WIDE": "FFN_WIDE"}
+             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL"}
     assert set(names) == set(controls.CONTROLS)
     for env_name, attr in names.items():
         assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name

@@ -115,8 +115,8 @@ def _normalize(code: str) -> str:
         (dict(roles=("ffn", "expert")), ValueError, "'attention' or 'ffn'"),
         (dict(timeout_s=0), ValueError, "timeout_s must be a positive"),
         (dict(num_sms=0), ValueError, "num_sms must be in [1, 1024]"),
-        (dict(ffn_sms=-1), ValueError, "ffn_sms must be in [0, 1024]"),
-        (dict(ffn_sms=2000), ValueError, "ffn_sms must be in [0, 1024]"),
+        (dict(local_sms=-1), ValueError, "local_sms must be in [0, 1024]"),
+        (dict(local_sms=2000), ValueError, "local_sms must be in [0, 1024]"),
     ],
 )
 def test_config_validation(kwargs, exc, fragment):

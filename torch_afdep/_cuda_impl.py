@@ -61,16 +61,19 @@ class CudaTransport:
         self._closed = False
         c = config
         elem = 1 if c.dtype == torch.float8_e4m3fn else 2
-        ffn_ctas = c.ffn_sms or self._auto_ffn_ctas(cpu_group)
+        ffn_ctas, attn_ctas = ((c.local_sms, c.local_sms) if c.local_sms
+                               else self._auto_local_ctas(cpu_group))
         self._comm = _cuda.Comm(
             rank=self.rank, device=self.device.index,
             is_ffn=[1 if r == FFN else 0 for r in c.role_list],
             num_sms=c.num_sms, hidden=c.hidden_size, elem=elem, scale_cols=c.scale_cols,
             num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
-            timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas))
+            timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas),
+            attn_ctas=int(attn_ctas))
         #: CTAs of the FFN's receive/reply kernels (every rank must agree: Attention ranks
-        #: count the reply kernel's CTAs)
+        #: count the reply kernel's CTAs) and of this rank's combine kernel (Attention)
         self.ffn_grid = int(self._comm.ffn_grid)
+        self.attn_grid = int(self._comm.attn_grid)
         mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint(), self.ffn_grid)
         world = dist.get_world_size(cpu_group)
         gathered = [None] * world
@@ -82,14 +85,14 @@ class CudaTransport:
             raise RuntimeError(
                 f"torch_afdep: ranks {bad} differ in protocol controls, config or FFN grid "
                 f"(this rank: {controls.describe(self.flags)}, ffn grid {self.ffn_grid}); set "
-                "the same AFDEP_* environment on every rank (and ffn_sms when the GPUs differ)")
+                "the same AFDEP_* environment on every rank (and local_sms when the GPUs differ)")
         self._comm.open([g[0] for g in gathered])
         dist.barrier(group=cpu_group)
 
-    def _auto_ffn_ctas(self, cpu_group) -> int:
-        """One CTA per SM for the FFN's receive/reply kernels, divided among the group's ranks
-        that share a GPU (their spinning kernels must leave SMs to each other); the minimum
-        over FFN ranks, so every rank agrees (collective)."""
+    def _auto_local_ctas(self, cpu_group):
+        """(FFN grid, this rank's combine grid): one CTA per SM, divided among the group's
+        ranks that share a GPU (their spinning kernels must leave SMs to each other). The
+        FFN grid is the minimum over FFN ranks, so every rank agrees (collective)."""
         props = torch.cuda.get_device_properties(self.device)
         me = (str(getattr(props, "uuid", "")) or f"dev{self.device.index}", props.multi_processor_count)
         world = dist.get_world_size(cpu_group)
@@ -102,7 +105,8 @@ class CudaTransport:
             sharing = sum(1 for u, _ in devs if u == uuid)
             g = max(1, sms // sharing)
             best = g if best is None else min(best, g)
-        return int(best or props.multi_processor_count)
+        mine = max(1, props.multi_processor_count // sum(1 for u, _ in devs if u == me[0]))
+        return int(best or props.multi_processor_count), int(mine)
 
     # ---- sizes ------------------------------------------------------------------------
     @property

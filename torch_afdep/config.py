@@ -52,10 +52,12 @@ class Config:
             A + F. Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
         num_sms: CUDA only: S, the CTAs (channels) of the senders' kernels (Attention dispatch
             and combine; every kernel when the protocol controls are reverted).
-        ffn_sms: CUDA only: CTAs of the FFN ranks' receive and reply kernels, which mostly do
-            local work (expansion into the expert-major layout, fp32 reduction); 0 = one per
-            SM of the device. Needs the directional protocol (``AFDEP_FFN_WIDE`` and the
-            controls it builds on); otherwise those kernels use ``num_sms`` too.
+        local_sms: CUDA only: CTAs of the kernels that mostly do local work: the FFN ranks'
+            receive and reply (expansion into the expert-major layout, fp32 reduction) and the
+            Attention ranks' combine (collect); 0 = one per SM of the device, divided among
+            the group's ranks that share it. Needs the directional protocol
+            (``AFDEP_WIDE_LOCAL`` and the controls it builds on); otherwise those kernels use
+            ``num_sms`` too.
         timeout_s: a receiver that waits longer than this raises, naming the peer and phase.
         num_slots: independent exchanges (micro-batches) a buffer can have in flight at once,
             selected per call with ``slot=``; each slot has its own transport state and
@@ -73,7 +75,7 @@ class Config:
     num_sms: int = 24
     timeout_s: float = 100.0
     num_slots: int = 2
-    ffn_sms: int = 0
+    local_sms: int = 0
 
     def __post_init__(self) -> None:
         _check_int("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
@@ -84,7 +86,7 @@ class Config:
         _check_int("attention_ranks", self.attention_ranks, 1, 1 << 12)
         _check_int("num_sms", self.num_sms, 1, 1024)
         _check_int("num_slots", self.num_slots, 1, MAX_SLOTS)
-        _check_int("ffn_sms", self.ffn_sms, 0, 1024)
+        _check_int("local_sms", self.local_sms, 0, 1024)
         if self.num_experts % self.ffn_ranks != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by ffn_ranks "
@@ -193,7 +195,7 @@ class Config:
             self.role_list,
             self.num_sms,
             self.num_slots,
-            self.ffn_sms,
+            self.local_sms,
         )
 
 

@@ -44,11 +44,12 @@ CONTROLS: Dict[str, Control] = {
         1 << 5, 1,
         "with one FFN rank, combine copies the single reply row (no fp32 sum loop); 0 = the "
         "general sum"),
-    "AFDEP_FFN_WIDE": Control(
+    "AFDEP_WIDE_LOCAL": Control(
         1 << 6, 1,
-        "the FFN's receive and reply kernels (local expansion and fp32 reduction) run "
-        "Config.ffn_sms CTAs, default one per SM; needs the four directional controls above; "
-        "0 = num_sms CTAs like every other kernel"),
+        "the kernels that mostly do local work (FFN receive and reply: expansion and fp32 "
+        "reduction; Attention combine: collect) run Config.local_sms CTAs, default one per "
+        "SM; needs the four directional controls above; 0 = num_sms CTAs like every other "
+        "kernel"),
 }
 
 #: Reverts every control above.

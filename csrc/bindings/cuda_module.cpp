@@ -19,7 +19,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("RECEIVER_WAIT_ONLY") = (int)afdep::F_RECEIVER_WAIT_ONLY;
   m.attr("ROLE_WARPS") = (int)afdep::F_ROLE_WARPS;
   m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
-  m.attr("FFN_WIDE") = (int)afdep::F_FFN_WIDE;
+  m.attr("WIDE_LOCAL") = (int)afdep::F_WIDE_LOCAL;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;
@@ -37,7 +37,7 @@ PYBIND11_MODULE(_cuda, m) {
   py::class_<Comm>(m, "Comm")
       .def(py::init([](int rank, int device, std::vector<int> is_ffn, int num_sms, int hidden,
                        int elem, int scale_cols, int num_experts, int top_k, int capacity,
-                       double timeout_s, unsigned flags, int ffn_ctas) {
+                       double timeout_s, unsigned flags, int ffn_ctas, int attn_ctas) {
              CommConfig c;
              c.rank = rank;
              c.device = device;
@@ -52,12 +52,13 @@ PYBIND11_MODULE(_cuda, m) {
              c.timeout_s = timeout_s;
              c.flags = flags;
              c.ffn_ctas = ffn_ctas;
+             c.attn_ctas = attn_ctas;
              return new Comm(c);
            }),
            py::arg("rank"), py::arg("device"), py::arg("is_ffn"), py::arg("num_sms"),
            py::arg("hidden"), py::arg("elem"), py::arg("scale_cols"), py::arg("num_experts"),
            py::arg("top_k"), py::arg("capacity"), py::arg("timeout_s"), py::arg("flags"),
-           py::arg("ffn_ctas") = 24)
+           py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24)
       .def("local_handle", [](Comm& c) { return py::bytes(c.local_handle()); })
       .def("open",
            [](Comm& c, const std::vector<py::bytes>& hs) {
@@ -68,6 +69,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("registered_bytes", &Comm::registered_bytes)
       .def_property_readonly("union_bytes", &Comm::union_bytes)
       .def_property_readonly("ffn_grid", &Comm::ffn_grid)
+      .def_property_readonly("attn_grid", &Comm::attn_grid)
       .def_property_readonly("signal_bytes", [](const Comm& c) { return c.layout().signal_bytes; })
       .def("dispatch", &Comm::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("receive", &Comm::receive, py::call_guard<py::gil_scoped_release>())

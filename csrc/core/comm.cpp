@@ -72,10 +72,16 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (L.S < 1 || L.S > 1024) throw std::invalid_argument("num_sms out of range");
   if (L.A > kMaxAttn) throw std::invalid_argument("at most 1024 Attention ranks");
   if (cfg.ffn_ctas < 1 || cfg.ffn_ctas > 4096) throw std::invalid_argument("ffn_ctas out of range");
-  // The FFN's receive/reply kernels do local work (expansion, reduction) and may use more CTAs
-  // than the senders' S channels; only with the directional protocol (layout.h kWideNeeds).
-  L.G = ((L.flags & kWideNeeds) == kWideNeeds) ? cfg.ffn_ctas : L.S;
-  L.Gmax = L.G > L.S ? L.G : L.S;
+  if (cfg.attn_ctas < 1 || cfg.attn_ctas > 4096) throw std::invalid_argument("attn_ctas out of range");
+  // The FFN's receive/reply and the Attention's combine do mostly local work (expansion,
+  // reduction, collect) and may use more CTAs than the senders' S channels; only with the
+  // directional protocol (layout.h kWideNeeds).
+  const bool wide = (L.flags & kWideNeeds) == kWideNeeds;
+  L.G = wide ? cfg.ffn_ctas : L.S;
+  L.Ga = wide ? cfg.attn_ctas : L.S;
+  L.Gmax = L.S;
+  if (L.G > L.Gmax) L.Gmax = L.G;
+  if (L.Ga > L.Gmax) L.Gmax = L.Ga;
   compute_offsets(L);
   union_bytes_ = union_window_bytes(L);
   if (dispatch_smem_bytes(L) > 200 * 1024)
@@ -228,7 +234,7 @@ void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
   a.route = reinterpret_cast<const int64_t*>(route);
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
-  check(launch_combine(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+  check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
 }
 
 std::vector<uint64_t> Comm::trace() {

@@ -18,7 +18,8 @@ struct CommConfig {
   int device = 0;
   std::vector<int> is_ffn;  // per group rank: 1 FFN, 0 Attention
   int num_sms = 24;   // S: CTAs (channels) of the senders' kernels
-  int ffn_ctas = 24;  // CTAs of the FFN's receive/reply kernels when the grid is wide
+  int ffn_ctas = 24;   // CTAs of the FFN's receive/reply kernels when grids are wide
+  int attn_ctas = 24;  // CTAs of the Attention's combine kernel when grids are wide
   int hidden = 0;
   int elem = 2;  // payload bytes per element (2 bf16, 1 fp8)
   int scale_cols = 0;
@@ -44,6 +45,7 @@ class Comm {
   int64_t registered_bytes() const { return L_.window_bytes; }
   int64_t union_bytes() const { return union_bytes_; }
   int ffn_grid() const { return L_.G; }
+  int attn_grid() const { return L_.Ga; }
   const Layout& layout() const { return L_; }
   bool is_ffn() const { return L_.is_ffn != 0; }
 

@@ -14,13 +14,13 @@ enum ControlFlags : uint32_t {
   F_RECEIVER_WAIT_ONLY = 1u << 3,  // only receivers wait, per channel (else full exit barrier)
   F_ROLE_WARPS = 1u << 4,          // each role runs only its stage (else both, with dummies)
   F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
-  F_FFN_WIDE = 1u << 6,            // FFN receive/reply run ffn_ctas CTAs (else S, like senders)
+  F_WIDE_LOCAL = 1u << 6,          // FFN receive/reply and Attention combine: one CTA per SM
 };
 constexpr uint32_t kAllRoleAware = 0x7f;
 constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
-// The wide FFN grid needs the directional protocol (the barriers and dummy stages of the
-// reverted controls are per channel, i.e. S CTAs on every rank).
-constexpr uint32_t kWideNeeds = F_FFN_WIDE | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
+// Wide grids need the directional protocol (the barriers and dummy stages of the reverted
+// controls are per channel, i.e. S CTAs on every rank).
+constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                 F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
@@ -60,8 +60,9 @@ struct Layout {
   // sizes
   int H, elem, row_bytes, scale_cols;
   int E, El, k, R, C;
-  int G;          // CTAs of the FFN's receive and reply kernels (S unless F_FFN_WIDE)
-  int Gmax;       // max(S, G): stride of the per-CTA counters
+  int G;          // CTAs of the FFN's receive and reply kernels (S unless F_WIDE_LOCAL)
+  int Ga;         // CTAs of the Attention's combine kernel (S unless F_WIDE_LOCAL)
+  int Gmax;       // max(S, G, Ga): stride of the per-CTA counters
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
