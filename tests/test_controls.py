@@ -35,7 +35,7 @@ def test_bits_match_the_cuda_extension():
              "AFDEP_ONE_WAY_COUNTS": "ONE_WAY_COUNTS",
              "AFDEP_RECEIVER_WAIT_ONLY": "RECEIVER_WAIT_ONLY",
              "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
-             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL"}
+             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS"}
     assert set(names) == set(controls.CONTROLS)
     for env_name, attr in names.items():
         assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name

@@ -50,6 +50,11 @@ CONTROLS: Dict[str, Control] = {
         "reduction; Attention combine: collect) run Config.local_sms CTAs, default one per "
         "SM; needs the four directional controls above; 0 = num_sms CTAs like every other "
         "kernel"),
+    "AFDEP_EARLY_COUNTS": Control(
+        1 << 7, 1,
+        "a sender CTA with few tokens publishes its counts before copying the payload (the "
+        "FFN computes its offsets while the payload is in flight) and then a per-channel "
+        "payload flag; needs the four directional controls; 0 = counts after the payload"),
 }
 
 #: Reverts every control above.

@@ -20,6 +20,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("ROLE_WARPS") = (int)afdep::F_ROLE_WARPS;
   m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
   m.attr("WIDE_LOCAL") = (int)afdep::F_WIDE_LOCAL;
+  m.attr("EARLY_COUNTS") = (int)afdep::F_EARLY_COUNTS;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;

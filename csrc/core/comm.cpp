@@ -79,6 +79,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   const bool wide = (L.flags & kWideNeeds) == kWideNeeds;
   L.G = wide ? cfg.ffn_ctas : L.S;
   L.Ga = wide ? cfg.attn_ctas : L.S;
+  L.early = (L.flags & kEarlyNeeds) == kEarlyNeeds ? 1 : 0;
   L.Gmax = L.S;
   if (L.G > L.Gmax) L.Gmax = L.G;
   if (L.Ga > L.Gmax) L.Gmax = L.Ga;

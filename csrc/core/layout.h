@@ -15,13 +15,16 @@ enum ControlFlags : uint32_t {
   F_ROLE_WARPS = 1u << 4,          // each role runs only its stage (else both, with dummies)
   F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
   F_WIDE_LOCAL = 1u << 6,          // FFN receive/reply and Attention combine: one CTA per SM
+  F_EARLY_COUNTS = 1u << 7,        // counts before the payload, then a per-channel payload flag
 };
-constexpr uint32_t kAllRoleAware = 0x7f;
+constexpr uint32_t kAllRoleAware = 0xff;
 constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
 // Wide grids need the directional protocol (the barriers and dummy stages of the reverted
 // controls are per channel, i.e. S CTAs on every rank).
 constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                 F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
+constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
+                                 F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
 
@@ -63,6 +66,7 @@ struct Layout {
   int G;          // CTAs of the FFN's receive and reply kernels (S unless F_WIDE_LOCAL)
   int Ga;         // CTAs of the Attention's combine kernel (S unless F_WIDE_LOCAL)
   int Gmax;       // max(S, G, Ga): stride of the per-CTA counters
+  int early;      // 1: counts published before the payload (kEarlyNeeds all set)
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
@@ -71,7 +75,7 @@ struct Layout {
   uint64_t timeout_ns;
   // window offsets (identical on every rank)
   int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, pad, i32 ecnt[El]}
-  int64_t off_disp_done;        // u64 [W][S]
+  int64_t off_disp_done;        // u64 [W][S]: payload of (src, ch) written (count-first or early)
   int64_t off_comb_done;        // u64 [W]: CTAs of source rank's reply kernels done, summed
   int64_t off_entry;            // u64 [2][W][S]
   int64_t off_exit;             // u64 [2][W][S]

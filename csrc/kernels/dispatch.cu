@@ -152,7 +152,8 @@ __device__ __forceinline__ int blk_count(const Layout& L, char* mine, int src_ra
 // without atomics: row = offset of the expert + rows of that expert in earlier regions (source,
 // channel) + the entry's position within its region (from the sender). Work is split into
 // (token, local entry, chunk of the row) units over every warp of the grid.
-__device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* smem) {
+__device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
+                       int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
   char* mine = peer_base(L, L.rank);
@@ -160,6 +161,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
   int* s_tab = smem;                // [nreg][El] rows per (region, expert) -> prefix over regions
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
+  int* s_ready = s_rb + nreg + 1;   // [nreg] early counts: region's payload seen complete
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
     for (int i = tid; i < nreg * q4; i += blockDim.x) {
@@ -175,8 +177,10 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
           cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
     }
   }
-  for (int g = tid; g < nreg; g += blockDim.x)
+  for (int g = tid; g < nreg; g += blockDim.x) {
     s_rb[g] = min(max(blk_count(L, mine, L.rank_of_attn[g / L.S], g % L.S), 0), L.slots);
+    s_ready[g] = 0;
+  }
   __syncthreads();
   for (int e = tid; e < El; e += blockDim.x) {
     int run = 0;
@@ -242,6 +246,15 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, int* 
       }
     }
     if (row < 0) continue;
+    if (L.early) {  // counts came before the payload: wait for this region's payload flag
+      int ok = 1;
+      if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
+        ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
+                      kPhaseDispatch, sr, L.rank);
+        if (ok) st_release_cta_shared(s_ready + g, 1);
+      }
+      if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+    }
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
@@ -296,7 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       __syncthreads();
     }
     // Many tokens: each warp copies its token right after claiming it (copies overlap the
-    // other warps' claims). Few tokens: claim all, then spread the rows over every warp.
+    // other warps' claims). Few tokens: claim all, then spread the rows over every warp; with
+    // early counts the counts go out between the two, so the receiver computes its offsets
+    // while the payload is in flight, and a per-channel flag marks the payload complete.
     const bool fused = hi - lo >= kWarps;
     const int lane = tid & 31, nv = L.row_bytes / 16;
     for (int t = lo + warp; t < hi; t += kWarps) {
@@ -309,13 +324,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
     }
     if (fused) sys_fence_then_sync(); else __syncthreads();
+    const bool counts_done = L.early && !fused;
+    if (counts_done) publish_counts(L, n, false, s_cnt, s_ecnt);  // metadata fenced inside
     if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync();
     }
-    if (!count_first) {
-      publish_counts(L, n, all_peers, s_cnt, s_ecnt);
-    } else if (rwo) {
+    if (!count_first && !counts_done) publish_counts(L, n, all_peers, s_cnt, s_ecnt);
+    if (L.early) {
+      for (int ti = tid; ti < L.F; ti += blockDim.x) {
+        fence_acq_rel_sys();
+        st_release_sys(sig_slot(peer_base(L, L.rank_of_ffn[ti]), L.off_disp_done, L.W, L.S,
+                                L.rank, c), n);
+      }
+    } else if (count_first && rwo) {
       for (int d = tid; d < L.W; d += blockDim.x) {
         fence_acq_rel_sys();
         st_release_sys(sig_slot(peer_base(L, d), L.off_disp_done, L.W, L.S, L.rank, c), n);
@@ -342,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     }
     if (!__syncthreads_and(ok ? 1 : 0)) return;
     trace_mark(L, kPhaseDispatch, n, kTrWaited, kTrMaxWaited);
-    if (a.real_recv) expand(L, a, n, smem);
+    if (a.real_recv) expand(L, a, n, deadline, smem);
   }
 
   __syncthreads();
@@ -355,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 size_t dispatch_smem_bytes(const Layout& L) {
   const size_t send = ((size_t)L.F + L.E + (size_t)L.slots * L.F) * 4;
   const size_t nreg = (size_t)L.A * L.S;
-  const size_t recv = (nreg * L.El + L.El + 1 + nreg + 1) * 4;
+  const size_t recv = (nreg * L.El + L.El + 1 + 2 * nreg + 1) * 4;
   return send > recv ? send : recv;
 }
 

@@ -97,7 +97,8 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 
 
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
-          "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL"]
+          "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
+          "AFDEP_EARLY_COUNTS"]
 
 
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F", "3A1F"])
