@@ -22,8 +22,13 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 
 def skip_unless_two_gpus() -> None:
-    """Skip the calling test module unless 2 CUDA GPUs and the built extension are there."""
+    """Skip the calling test module unless 2 CUDA GPUs and the built extension are there.
+    ``AFDEP_GPU_BODIES_ON_CPU=1`` imports the module anyway, so a script can smoke-test the
+    bodies that also run on the CPU path (the tests themselves still need the GPUs)."""
     import pytest
+
+    if os.environ.get("AFDEP_GPU_BODIES_ON_CPU") == "1":
+        return
 
     try:
         import torch_afdep._cuda  # noqa: F401
