@@ -94,7 +94,8 @@ class CudaTransport:
         ranks that share a GPU (their spinning kernels must leave SMs to each other). The
         FFN grid is the minimum over FFN ranks, so every rank agrees (collective)."""
         props = torch.cuda.get_device_properties(self.device)
-        me = (str(getattr(props, "uuid", "")) or f"dev{self.device.index}", props.multi_processor_count)
+        uuid_me = str(getattr(props, "uuid", "")) or f"dev{self.device.index}"
+        me = (uuid_me, props.multi_processor_count)
         world = dist.get_world_size(cpu_group)
         devs = [None] * world
         dist.all_gather_object(devs, me, group=cpu_group)
@@ -105,7 +106,7 @@ class CudaTransport:
             sharing = sum(1 for u, _ in devs if u == uuid)
             g = max(1, sms // sharing)
             best = g if best is None else min(best, g)
-        mine = max(1, props.multi_processor_count // sum(1 for u, _ in devs if u == me[0]))
+        mine = max(1, props.multi_processor_count // sum(1 for u, _ in devs if u == uuid_me))
         return int(best or props.multi_processor_count), int(mine)
 
     # ---- sizes ------------------------------------------------------------------------
