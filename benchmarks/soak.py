@@ -49,7 +49,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -336,16 +335,10 @@ def soak_body(rank, world, cfg_kw, opts):
 
 # ---- the run --------------------------------------------------------------------------------
 def git_commit() -> Optional[str]:
-    """HEAD, or AFDEP_COMMIT where the tree is a copy (the device machine's copy may carry a
-    stale .git)."""
-    if os.environ.get("AFDEP_COMMIT"):
-        return os.environ["AFDEP_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except Exception:
-        return None
+    """benchmarks.run's rule: AFDEP_COMMIT names a copied tree, else git HEAD (+ -dirty)."""
+    from .run import git_commit as run_git_commit
+
+    return run_git_commit()
 
 
 def machine_info(cpu: bool) -> Dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import pickle
 import time
 import traceback
 
@@ -28,6 +27,7 @@ import torch_afdep
 from torch_afdep import AfdepError, AfdepStateError, Buffer, Config
 from torch_afdep import reference as ref
 from torch_afdep import registry
+from torch_afdep.testing import load_rank_record, save_rank_record
 
 SMALL = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=4, top_k=2,
              ffn_ranks=1, attention_ranks=1, timeout_s=30.0)
@@ -144,16 +144,11 @@ def error_info(e: BaseException, t0: float, death_file: str = "") -> dict:
 
 
 # ---- running parts ----------------------------------------------------------------------
-def _save(outdir: str, rank: int, results: dict) -> None:
-    tmp = os.path.join(outdir, f"rank{rank}.pkl.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(results, f)
-    os.replace(tmp, os.path.join(outdir, f"rank{rank}.pkl"))
+_save = save_rank_record
 
 
 def load_results(outdir: str, rank: int) -> dict:
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
-        return pickle.load(f)
+    return load_rank_record(outdir, rank)
 
 
 def run_parts(rank: int, world: int, outdir: str, parts) -> dict:

@@ -23,6 +23,25 @@ class WorldError(RuntimeError):
     """A rank of a spawned world failed; the message holds its traceback."""
 
 
+def save_rank_record(outdir: str, rank: int, record: Any) -> None:
+    """Write one rank's record to ``outdir`` atomically, so it survives the rank (or a peer)
+    dying later; fault tests read it back with :func:`load_rank_record`."""
+    tmp = os.path.join(outdir, f"rank{rank}.pkl.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(record, f)
+    os.replace(tmp, os.path.join(outdir, f"rank{rank}.pkl"))
+
+
+def load_rank_record(outdir: str, rank: int, missing: Any = FileNotFoundError) -> Any:
+    """The record :func:`save_rank_record` wrote; ``missing`` is returned when the rank
+    wrote none (by default that raises FileNotFoundError)."""
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+    if missing is not FileNotFoundError and not os.path.exists(path):
+        return missing
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids, env):
     os.environ.update(env)
     try:

@@ -29,7 +29,6 @@ its weight), as ``torch_afdep.reference.dedupe`` says.
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import traceback
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 import gpu_worlds as gw
 from torch_afdep import reference as ref
 from torch_afdep.config import FFN
+from torch_afdep.testing import load_rank_record, save_rank_record
 
 KINDS = ("bad_ids", "dups", "nonfinite", "one_expert", "no_route", "mixed")
 BAD_IDS_32 = (1 << 31) - 1, -(1 << 31), -2, -3, -1000
@@ -334,19 +334,11 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
 
 
 # ---- fault bodies ---------------------------------------------------------------------------
-def _save(outdir: str, rank: int, rec: dict) -> None:
-    tmp = os.path.join(outdir, f"rank{rank}.pkl.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(rec, f)
-    os.replace(tmp, os.path.join(outdir, f"rank{rank}.pkl"))
+_save = save_rank_record
 
 
 def load_record(outdir: str, rank: int) -> dict:
-    path = os.path.join(outdir, f"rank{rank}.pkl")
-    if not os.path.exists(path):
-        return {}
-    with open(path, "rb") as f:
-        return pickle.load(f)
+    return load_rank_record(outdir, rank, missing={})
 
 
 def _touch(path: str) -> None:
