@@ -191,8 +191,25 @@ def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2):
     zero = want_route == 0
     assert bool((o[zero] == 0).all()), "tokens with no expert must be zero"
     err = ref.relative_error(o, want) if x.shape[0] else 0.0
-    assert err < tol, f"relative error {err}"
+    assert err < tol, f"relative error {err}; " + diagnose_tokens(o, want, want_route, idc)
     return err
+
+
+def diagnose_tokens(o, want, route, ids, show=6):
+    """Which tokens of a failed combine are wrong, and what they look like instead (the
+    expected row of another token, zero, a multiple of the right row...)."""
+    tok_err = (o - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
+    bad = (tok_err > 1.5e-2).nonzero().flatten().tolist()
+    lines = [f"{len(bad)}/{o.shape[0]} tokens wrong"]
+    for t in bad[:show]:
+        d = (want - o[t]).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
+        best = int(d.argmin())
+        ratio = float(o[t].norm() / want[t].norm().clamp_min(1e-30))
+        cos = float((o[t] @ want[t]) / (o[t].norm() * want[t].norm()).clamp_min(1e-30))
+        lines.append(f"t={t} err={float(tok_err[t]):.3g} |o|/|want|={ratio:.3g} cos={cos:.3g} "
+                     f"closest want[{best}] ({float(d[best]):.3g}) route={int(route[t])} "
+                     f"ids={ids[t].tolist()}")
+    return "; ".join(lines)
 
 
 def _transport(cfg, rank):
@@ -241,7 +258,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                     if not bad_ids:
                         raise
                     stats["errors"].append(type(e).__name__)
-                err = check_attention(cfg, x, ids, w, sc, route, out)
+                try:
+                    err = check_attention(cfg, x, ids, w, sc, route, out)
+                except AssertionError as e:
+                    raise AssertionError(f"exchange {i} (bucket {bucket}, tokens {tokens}, "
+                                         f"{routing}): {e}") from None
                 stats.setdefault("rel_err", []).append(err)
     finally:
         t.close()
