@@ -180,7 +180,9 @@ def check_ffn(cfg, f, o: FfnOutputs, inputs):
             assert bool((sr[valid.long()] == att[a]).all()) and bool((st[valid.long()] == tok).all())
 
 
-def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2):
+def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2, previous=None):
+    """``previous``: the (x, ids, w, sc) of this rank's previous exchange; a failure then
+    also says which wrong tokens hold that exchange's result (a stale read)."""
     idc = clean_ids(cfg, ids)
     want_route = ref.route_mask(cfg, idc)
     got_route = route.cpu()
@@ -191,16 +193,28 @@ def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2):
     zero = want_route == 0
     assert bool((o[zero] == 0).all()), "tokens with no expert must be zero"
     err = ref.relative_error(o, want) if x.shape[0] else 0.0
-    assert err < tol, f"relative error {err}; " + diagnose_tokens(o, want, want_route, idc)
+    if err >= tol:
+        stale = None
+        if previous is not None:
+            px, pids, pw, psc = previous
+            stale = ref.moe_output(cfg, px, clean_ids(cfg, pids), pw, expert_fn_factory(cfg), psc)
+        raise AssertionError(f"relative error {err}; "
+                             + diagnose_tokens(o, want, want_route, idc, stale=stale))
     return err
 
 
-def diagnose_tokens(o, want, route, ids, show=6):
+def diagnose_tokens(o, want, route, ids, show=6, stale=None):
     """Which tokens of a failed combine are wrong, and what they look like instead (the
-    expected row of another token, zero, a multiple of the right row...)."""
+    expected row of another token, zero, a multiple of the right row, or ``stale``: the
+    previous exchange's result)."""
     tok_err = (o - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
     bad = (tok_err > 1.5e-2).nonzero().flatten().tolist()
     lines = [f"{len(bad)}/{o.shape[0]} tokens wrong"]
+    if stale is not None and bad:
+        n = min(stale.shape[0], o.shape[0])
+        se = (o[:n] - stale[:n]).norm(dim=1) / stale[:n].norm(dim=1).clamp_min(1e-30)
+        hits = [t for t in bad if t < n and float(se[t]) < 1.5e-2]
+        lines.append(f"{len(hits)} of them hold the previous exchange's result")
     for t in bad[:show]:
         d = (want - o[t]).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
         best = int(d.argmin())
@@ -219,6 +233,11 @@ def _transport(cfg, rank):
                          dist.group.WORLD)
 
 
+def _delay_cycles(name):
+    ms = float(os.environ.get(name, "0") or 0)
+    return int(ms * 2e6)  # about 2 GHz SM clock: a rough delay is enough
+
+
 def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     """plan: list of (bucket, [T per Attention rank], routing). Returns per-rank stats."""
     cfg = make_config(cfg_kw)
@@ -227,6 +246,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     stats = {"registered_bytes": t.registered_bytes, "union_bytes": t.union_bytes,
              "role": cfg.role_of(rank), "errors": []}
     role, idx = cfg.role_of(rank), cfg.role_index(rank)
+    # Diagnostics: a GPU-side delay (stream order kept) before the FFN's reply or before the
+    # Attention's combine tells a receiver that reads too early from one that reads wrong data.
+    delay_reply = _delay_cycles("AFDEP_TEST_REPLY_DELAY_MS")
+    delay_combine = _delay_cycles("AFDEP_TEST_COMBINE_DELAY_MS")
+    inputs_prev = None
     try:
         for i, (bucket, tokens, routing) in enumerate(plan):
             seed = seed0 + i
@@ -238,6 +262,8 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                 o.receive(t)
                 rows = ffn_rows(cfg, idx, o.x, o.x_scales if cfg.scale_cols else None,
                                 o.weights, o.offsets)
+                if delay_reply:
+                    torch.cuda._sleep(delay_reply)
                 t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
                 torch.cuda.synchronize()
                 t.check_error()
@@ -250,6 +276,8 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                                  device=dev)
                 t.dispatch(x.to(dev), ids.to(dev), w.to(dev),
                            None if sc is None else sc.to(dev), bucket, route)
+                if delay_combine:
+                    torch.cuda._sleep(delay_combine)
                 t.combine(route, out)
                 torch.cuda.synchronize()
                 try:
@@ -259,11 +287,13 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                         raise
                     stats["errors"].append(type(e).__name__)
                 try:
-                    err = check_attention(cfg, x, ids, w, sc, route, out)
+                    err = check_attention(cfg, x, ids, w, sc, route, out,
+                                          previous=inputs_prev)
                 except AssertionError as e:
                     raise AssertionError(f"exchange {i} (bucket {bucket}, tokens {tokens}, "
                                          f"{routing}): {e}") from None
                 stats.setdefault("rel_err", []).append(err)
+                inputs_prev = inputs[idx]
     finally:
         t.close()
     return stats
