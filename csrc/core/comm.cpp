@@ -121,6 +121,10 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
     L.trace = static_cast<uint64_t*>(trace_);
   }
 
+  // Signal-value printout for debugging a protocol (diagnostics only; never in benchmarks).
+  const char* dbg = std::getenv("AFDEP_DEBUG_SIGNALS");
+  L.debug = (dbg && *dbg && std::strcmp(dbg, "0") != 0) ? 1 : 0;
+
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
   transport_ = make_ipc_transport(device_);
   transport_->allocate((size_t)L.window_bytes);

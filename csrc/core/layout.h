@@ -90,6 +90,7 @@ struct Layout {
   uint64_t* counters;          // [2][max(S, G)] per-CTA exchange counters (device-local)
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
+  int debug;                   // AFDEP_DEBUG_SIGNALS=1: CTA 0 prints its signal values (printf)
 };
 
 inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

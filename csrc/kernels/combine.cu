@@ -75,6 +75,10 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
     }
   }
   __syncwarp();
+  if (L.debug && tok == 0 && v0 == 0 && lane == 0)
+    printf("afdep-dbg t %llu rank %d reply wrote token 0 word0 %08x (nvalid %d)\n",
+           (unsigned long long)global_timer_ns(), L.rank, ld_cg_i32(reinterpret_cast<int*>(dst)),
+           nvalid);
 }
 
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows.
@@ -156,6 +160,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         red_add_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, d) + L.off_comb_done) + L.rank, 1);
       }
     }
+    if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+      printf("afdep-dbg t %llu rank %d reply cta %d n %llu comb_done@attn0 %llu\n",
+             (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
+             (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
+                 peer_base(L, L.rank_of_attn[0]) + L.off_comb_done) + L.rank));
     trace_mark(L, kPhaseCombine, n, kTrSent, kTrMaxSent);
   }
 
@@ -169,6 +178,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       // when its count reaches n * G
       const int nsrc = all_peers ? L.W : L.F;
       bool ok = true;
+      if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+        printf("afdep-dbg t %llu rank %d combine cta %d n %llu target %llu comb_done[ffn0] %llu\n",
+               (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n, (unsigned long long)(n * (uint64_t)L.G),
+               (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
+                   mine + L.off_comb_done) + (all_peers ? 0 : L.rank_of_ffn[0])));
       for (int i = tid; i < nsrc && ok; i += blockDim.x) {
         const int sr = all_peers ? i : L.rank_of_ffn[i];
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr,
@@ -177,6 +191,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
     trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
+    if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+      printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",
+             (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
+             (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
+                 mine + L.off_comb_done) + (all_peers ? 0 : L.rank_of_ffn[0])));
+    if (L.debug && tid == 0 && c == 0)
+      printf("afdep-dbg rank %d combine reads token 0 word0 %08x\n", L.rank,
+             ld_cg_i32(reinterpret_cast<const int*>(mine + L.off_comb) +
+                       (size_t)((L.flags & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0]) * L.C * L.H / 2));
     if (a.real_recv) {
       const int nch = chunks_per_row(a.T, nw, nv);
       const int cv = (nv + nch - 1) / nch;

@@ -278,6 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   trace_mark(L, kPhaseDispatch, n, kTrStart, -1);
+  if (L.debug && tid == 0 && c == 0)
+    printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
+           L.rank, a.real_send ? "dispatch" : "receive", (unsigned long long)n, a.T);
 
   if (!(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
