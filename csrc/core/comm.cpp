@@ -122,8 +122,8 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   }
 
   // Signal-value printout for debugging a protocol (diagnostics only; never in benchmarks).
-  const char* dbg = std::getenv("AFDEP_DEBUG_SIGNALS");
-  L.debug = (dbg && *dbg && std::strcmp(dbg, "0") != 0) ? 1 : 0;
+  const char* dbg = std::getenv("AFDEP_DEBUG");
+  L.debug = dbg ? std::atoi(dbg) : 0;
 
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
   transport_ = make_ipc_transport(device_);

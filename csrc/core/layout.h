@@ -26,6 +26,14 @@ constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_CO
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                  F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
+// AFDEP_DEBUG bits (diagnostics and memory-ordering experiments, default 0)
+enum DebugBits : int {
+  kDbgPrint = 1,          // CTA 0 prints exchange numbers and signal values (printf)
+  kDbgFenceAfterWait = 2, // Attention combine: every thread fences at sys scope after the wait
+  kDbgVolatileCollect = 4,// Attention combine: inbox read with volatile (relaxed.sys) loads
+  kDbgOneFence = 8,       // writers: no per-thread sys fence before the CTA meets and signals
+};
+
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
 
 // Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
@@ -90,7 +98,7 @@ struct Layout {
   uint64_t* counters;          // [2][max(S, G)] per-CTA exchange counters (device-local)
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
-  int debug;                   // AFDEP_DEBUG_SIGNALS=1: CTA 0 prints its signal values (printf)
+  int debug;                   // AFDEP_DEBUG bits (diagnostics): see kDbg* below
 };
 
 inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

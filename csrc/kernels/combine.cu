@@ -75,7 +75,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
     }
   }
   __syncwarp();
-  if (L.debug && tok == 0 && v0 == 0 && lane == 0)
+  if ((L.debug & kDbgPrint) && tok == 0 && v0 == 0 && lane == 0)
     printf("afdep-dbg t %llu rank %d reply wrote token 0 word0 %08x (nvalid %d)\n",
            (unsigned long long)global_timer_ns(), L.rank, ld_cg_i32(reinterpret_cast<int*>(dst)),
            nvalid);
@@ -92,7 +92,12 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   if (L.F == 1 && (L.flags & F_SINGLE_FFN)) {
     if (mask & 1ull) {
       const int src = role ? 0 : L.rank_of_ffn[0];
-      warp_copy16<true>(out + v0, inbox + ((size_t)src * L.C + t) * nv + v0, v1 - v0, lane);
+      const int4* row = inbox + ((size_t)src * L.C + t) * nv;
+      if (L.debug & kDbgVolatileCollect) {
+        for (int i = v0 + lane; i < v1; i += 32) out[i] = ld_volatile_v4(row + i);
+        return;
+      }
+      warp_copy16<true>(out + v0, row + v0, v1 - v0, lane);
     } else {
       const int4 z = make_int4(0, 0, 0, 0);
       for (int i = v0 + lane; i < v1; i += 32) out[i] = z;
@@ -107,7 +112,8 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
       const int f = __ffsll((long long)m) - 1;
       m &= m - 1;
       const int src = role ? f : L.rank_of_ffn[f];
-      add_bf16x8(acc, ld_cg_v4(inbox + ((size_t)src * L.C + t) * nv + i));
+      const int4* p = inbox + ((size_t)src * L.C + t) * nv + i;
+      add_bf16x8(acc, (L.debug & kDbgVolatileCollect) ? ld_volatile_v4(p) : ld_cg_v4(p));
     }
     out[i] = pack_bf16x8(acc);
   }
@@ -150,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
       }
     }
-    sys_fence_then_sync();
+    sys_fence_then_sync(L);
     if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
@@ -160,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         red_add_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, d) + L.off_comb_done) + L.rank, 1);
       }
     }
-    if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+    if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d reply cta %d n %llu comb_done@attn0 %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
@@ -178,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       // when its count reaches n * G
       const int nsrc = all_peers ? L.W : L.F;
       bool ok = true;
-      if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+      if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
         printf("afdep-dbg t %llu rank %d combine cta %d n %llu target %llu comb_done[ffn0] %llu\n",
                (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n, (unsigned long long)(n * (uint64_t)L.G),
                (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
@@ -190,13 +196,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
+    if (L.debug & kDbgFenceAfterWait) fence_acq_rel_sys();
     trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
-    if (L.debug && tid == 0 && (c == 0 || c == gridDim.x - 1))
+    if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
                  mine + L.off_comb_done) + (all_peers ? 0 : L.rank_of_ffn[0])));
-    if (L.debug && tid == 0 && c == 0)
+    if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
       printf("afdep-dbg rank %d combine reads token 0 word0 %08x\n", L.rank,
              ld_cg_i32(reinterpret_cast<const int*>(mine + L.off_comb) +
                        (size_t)((L.flags & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0]) * L.C * L.H / 2));

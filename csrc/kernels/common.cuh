@@ -62,6 +62,14 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   return v;
 }
 
+__device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.volatile.global.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -177,8 +185,8 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uin
 // first orders its own (possibly remote, NVLink) stores at system scope, then the CTA meets.
 // A fence orders the calling thread's stores only; without it the signal could overtake
 // another warp's stores still in flight to the peer.
-__device__ __forceinline__ void sys_fence_then_sync() {
-  fence_acq_rel_sys();
+__device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
+  if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();
   __syncthreads();
 }
 
@@ -227,7 +235,7 @@ __device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_
                                              uint64_t deadline, ErrorBlock* err) {
   const int c = blockIdx.x;
   const int64_t off = L.off_exit + (int64_t)phase * L.W * L.S * 8;
-  sys_fence_then_sync();
+  sys_fence_then_sync(L);
   for (int p = threadIdx.x; p < L.W; p += blockDim.x) {
     fence_acq_rel_sys();
     st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);

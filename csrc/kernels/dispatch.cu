@@ -135,7 +135,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
-  fence_acq_rel_sys();  // every writer's own stores first: see sys_fence_then_sync
+  if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();  // own stores first: see sys_fence_then_sync
   __syncthreads();
   for (int ti = threadIdx.x; ti < ntg; ti += blockDim.x) {
     const int d = all_peers ? ti : L.rank_of_ffn[ti];
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   trace_mark(L, kPhaseDispatch, n, kTrStart, -1);
-  if (L.debug && tid == 0 && c == 0)
+  if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
     printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
            L.rank, a.real_send ? "dispatch" : "receive", (unsigned long long)n, a.T);
 
@@ -326,12 +326,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         if (slot >= 0) copy_row(L, a, t, fd, slot, src_idx, c, 0, nv, lane);
       }
     }
-    if (fused) sys_fence_then_sync(); else __syncthreads();
+    if (fused) sys_fence_then_sync(L); else __syncthreads();
     const bool counts_done = L.early && !fused;
     if (counts_done) publish_counts(L, n, false, s_cnt, s_ecnt);  // metadata fenced inside
     if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
-      sys_fence_then_sync();
+      sys_fence_then_sync(L);
     }
     if (!count_first && !counts_done) publish_counts(L, n, all_peers, s_cnt, s_ecnt);
     if (L.early) {
