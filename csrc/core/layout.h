@@ -26,12 +26,12 @@ constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_CO
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                  F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
-// AFDEP_DEBUG bits (diagnostics and memory-ordering experiments, default 0)
+// AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
+// benchmarks of record)
 enum DebugBits : int {
-  kDbgPrint = 1,          // CTA 0 prints exchange numbers and signal values (printf)
-  kDbgFenceAfterWait = 2, // Attention combine: every thread fences at sys scope after the wait
-  kDbgVolatileCollect = 4,// Attention combine: inbox read with volatile (relaxed.sys) loads
-  kDbgOneFence = 8,       // writers: no per-thread sys fence before the CTA meets and signals
+  kDbgPrint = 1,     // CTA 0 prints exchange numbers and signal values (printf)
+  kDbgOneFence = 8,  // writers: one sys fence per signal instead of one per thread (faster;
+                     // not yet shown safe on the GPU, see docs/protocol.md)
 };
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };

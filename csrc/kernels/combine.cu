@@ -93,10 +93,6 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
     if (mask & 1ull) {
       const int src = role ? 0 : L.rank_of_ffn[0];
       const int4* row = inbox + ((size_t)src * L.C + t) * nv;
-      if (L.debug & kDbgVolatileCollect) {
-        for (int i = v0 + lane; i < v1; i += 32) out[i] = ld_volatile_v4(row + i);
-        return;
-      }
       warp_copy16<true>(out + v0, row + v0, v1 - v0, lane);
     } else {
       const int4 z = make_int4(0, 0, 0, 0);
@@ -112,8 +108,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
       const int f = __ffsll((long long)m) - 1;
       m &= m - 1;
       const int src = role ? f : L.rank_of_ffn[f];
-      const int4* p = inbox + ((size_t)src * L.C + t) * nv + i;
-      add_bf16x8(acc, (L.debug & kDbgVolatileCollect) ? ld_volatile_v4(p) : ld_cg_v4(p));
+      add_bf16x8(acc, ld_cg_v4(inbox + ((size_t)src * L.C + t) * nv + i));
     }
     out[i] = pack_bf16x8(acc);
   }
@@ -196,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
-    if (L.debug & kDbgFenceAfterWait) fence_acq_rel_sys();
+    sys_fence_after_wait();  // this rank's rows (or the exit barrier) seen: read the inbox
     trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
     if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",

@@ -62,14 +62,6 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   return v;
 }
 
-__device__ __forceinline__ int4 ld_volatile_v4(const int4* p) {
-  int4 v;
-  asm volatile("ld.volatile.global.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -189,6 +181,12 @@ __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
   if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();
   __syncthreads();
 }
+
+// After a CTA's wait for a peer's signal, before its threads read what the peer wrote: every
+// reading thread fences at system scope. Measured on 2 x H200: with only the waiting thread's
+// acquire and a bar.sync ordering the other threads' loads after it, a combine read the
+// previous exchange's rows from the inbox (tests/gpu: AFDEP_TEST_REPLY_DELAY_MS repro).
+__device__ __forceinline__ void sys_fence_after_wait() { fence_acq_rel_sys(); }
 
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------
 // Called by every thread at a converged point; thread 0 of CTA 0 stamps `pt`, thread 0 of

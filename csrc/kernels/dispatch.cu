@@ -209,6 +209,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
   const int nch = chunks_per_row(items, nw, nv);
   const int cv = (nv + nch - 1) / nch;
+  int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   for (int u = gw; u < items * nch; u += nw) {
     const int h = u % nch, it = u / nch;
     const int r = it % L.R, q = it / L.R;
@@ -254,6 +255,10 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
         if (ok) st_release_cta_shared(s_ready + g, 1);
       }
       if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+      if (g != fenced) {  // see sys_fence_after_wait
+        sys_fence_after_wait();
+        fenced = g;
+      }
     }
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
@@ -366,6 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
                       kPhaseDispatch, sr, L.rank);
     }
     if (!__syncthreads_and(ok ? 1 : 0)) return;
+    sys_fence_after_wait();  // counts (and, unless early, payloads) seen: read them
     trace_mark(L, kPhaseDispatch, n, kTrWaited, kTrMaxWaited);
     if (a.real_recv) expand(L, a, n, deadline, smem);
   }

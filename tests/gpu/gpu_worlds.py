@@ -250,6 +250,7 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     # Attention's combine tells a receiver that reads too early from one that reads wrong data.
     delay_reply = _delay_cycles("AFDEP_TEST_REPLY_DELAY_MS")
     delay_combine = _delay_cycles("AFDEP_TEST_COMBINE_DELAY_MS")
+    delay_dispatch = _delay_cycles("AFDEP_TEST_DISPATCH_DELAY_MS")
     inputs_prev = None
     try:
         for i, (bucket, tokens, routing) in enumerate(plan):
@@ -274,8 +275,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                 route = torch.full((T,), -7, dtype=torch.int64, device=dev)
                 out = torch.full((T, cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
                                  device=dev)
-                t.dispatch(x.to(dev), ids.to(dev), w.to(dev),
-                           None if sc is None else sc.to(dev), bucket, route)
+                xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
+                scd = None if sc is None else sc.to(dev)
+                if delay_dispatch:
+                    torch.cuda._sleep(delay_dispatch)
+                t.dispatch(xd, idd, wd, scd, bucket, route)
                 if delay_combine:
                     torch.cuda._sleep(delay_combine)
                 t.combine(route, out)

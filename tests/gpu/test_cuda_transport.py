@@ -96,6 +96,19 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     assert all(s["registered_bytes"] == s["union_bytes"] for s in stats)
 
 
+@pytest.mark.parametrize("delay,env", [
+    ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM)],
+    ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric"])
+def test_receiver_never_reads_the_previous_exchange(delay, env):
+    """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
+    its signal read the previous exchange's rows (the 5th exchange of this plan returned the
+    4th's result for all 128 tokens), in the role-aware and the symmetric protocol alike. Every
+    reading thread now fences after its CTA's wait (kernels/common.cuh sys_fence_after_wait)."""
+    kw = cfg_kw("1A1F", 128, 7168, "float8_e4m3fn")
+    run("1A1F", kw, tokens_plan(1, 128), env={**env, delay: "20"})
+
+
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS"]
