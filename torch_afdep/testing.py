@@ -48,6 +48,10 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
         import torch
         import torch.distributed as dist
 
+        if "OMP_NUM_THREADS" not in os.environ:
+            # ranks share the machine's cores: without this every rank starts one intra-op
+            # thread per core and the fp64 reference checks crawl under oversubscription
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if device_ids is not None:
             torch.cuda.set_device(device_ids[rank])
         store = dist.FileStore(store_path, world_size)
