@@ -61,7 +61,7 @@ if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; 
 fi
 if [ "$MODE" = "smoke" ]; then
   # about 5 minutes on 2 x H200: one rank per GPU, every kernel path of 1A1F
-  K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange"
+  K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy"
 elif [ "$MODE" = "custom" ]; then
   K="${PYTEST_K:-not sanitizer}"
   PYTEST_K=""

@@ -352,3 +352,76 @@ def slots_world_body(rank, world):
     for b in bufs:
         b.close()
     return out
+
+
+def zero_copy_body(rank, world):
+    """nA1F (F = world - A... one FFN rank): Attention ranks collect with
+    ``source_collect(zero_copy=True)`` on two slots, mixed with copying collects; every result
+    against the fp64 reference, views of one slot share storage across exchanges, views of
+    two slots never do. Returns the Attention ranks' (slot, data_ptr) per zero-copy collect."""
+    torch.set_num_threads(1)
+    cfg = torch_afdep.Config(capacity_tokens_per_rank=16, hidden_size=256, num_experts=8,
+                             top_k=3, ffn_ranks=1, attention_ranks=world - 1, num_slots=2,
+                             timeout_s=20.0)
+    buf = torch_afdep.Buffer(None, cfg, device="cpu")
+    plan = [(0, 16, "partial", True), (1, 7, "random", True), (0, 1, "skewed", False),
+            (0, 16, "random", True), (1, 0, "random", True), (1, 16, "partial", True)]
+    ptrs = []
+    try:
+        if buf.role == "attention":
+            _expect(TypeError, "zero_copy must be a bool", buf.source_collect, zero_copy=1)
+        for step, (slot, t, routing, zc) in enumerate(plan):
+            tokens = [t if (a + step) % 2 == 0 else max(t - 3, 0)
+                      for a in range(cfg.attention_ranks)]
+            all_inputs = [make_inputs(cfg, a, tokens[a], routing, 40 + step)
+                          for a in range(cfg.attention_ranks)]
+            if buf.role == "attention":
+                x, ids, w, s = all_inputs[buf.role_index]
+                buf.source_dispatch(x, ids, w, bucket=16, x_scales=s, slot=slot)
+                out = buf.source_collect(slot=slot, zero_copy=zc)
+                want = ref.moe_output(cfg, x, ids, w, expert_fn, s)
+                assert out.shape == (x.shape[0], cfg.hidden_size) and out.dtype == torch.bfloat16
+                if x.shape[0]:
+                    assert torch.allclose(out.double(), want, atol=3e-2, rtol=3e-2), step
+                    if routing == "partial":  # token 0 reaches no expert: zeros
+                        assert bool((out[0] == 0).all()), step
+                if zc:
+                    ptrs.append((slot, out.untyped_storage().data_ptr()))
+            else:
+                rec = buf.worker_receive(16, slot=slot)
+                check_received(cfg, 0, rec, all_inputs, 16)
+                buf.worker_reply(ffn_compute(cfg, 0, rec), rec.receipt, slot=slot)
+    finally:
+        buf.close()
+    if buf.role == "attention":
+        by_slot = {}
+        for slot, p in ptrs:
+            by_slot.setdefault(slot, set()).add(p)
+        assert all(len(v) == 1 for v in by_slot.values()), by_slot
+        assert by_slot[0] != by_slot[1]
+    return ptrs
+
+
+def zero_copy_refused_body(rank, world):
+    """2A2F: zero_copy raises before any communication; the buffer still works."""
+    torch.set_num_threads(1)
+    cfg = torch_afdep.Config(capacity_tokens_per_rank=8, hidden_size=128, num_experts=8,
+                             top_k=2, ffn_ranks=2, attention_ranks=2, timeout_s=20.0)
+    buf = torch_afdep.Buffer(None, cfg, device="cpu")
+    try:
+        all_inputs = [make_inputs(cfg, a, 5, "random", 3) for a in range(2)]
+        if buf.role == "attention":
+            x, ids, w, s = all_inputs[buf.role_index]
+            buf.source_dispatch(x, ids, w, bucket=8)
+            _expect(ValueError, "zero_copy needs ffn_ranks == 1", buf.source_collect,
+                    zero_copy=True)
+            out = buf.source_collect()
+            want = ref.moe_output(cfg, x, ids, w, expert_fn, s)
+            assert torch.allclose(out.double(), want, atol=3e-2, rtol=3e-2)
+        else:
+            rec = buf.worker_receive(8)
+            check_received(cfg, buf.role_index, rec, all_inputs, 8)
+            buf.worker_reply(ffn_compute(cfg, buf.role_index, rec), rec.receipt)
+    finally:
+        buf.close()
+    return True

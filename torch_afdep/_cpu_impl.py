@@ -93,6 +93,7 @@ class CpuTransport:
         self.slot = slot
         self._tag0 = tag_base(buffer_id, slot)
         self._pending: List = []
+        self._view: Optional[torch.Tensor] = None  # combine_view's [C, H] result buffer
         self._timeout = datetime.timedelta(seconds=float(config.timeout_s))
         h, s = config.hidden_size, config.scale_cols
         self._payload_bytes = h * torch.empty(0, dtype=config.dtype).element_size()
@@ -187,6 +188,17 @@ class CpuTransport:
             self._wait(work, peer, "combine")
             acc.index_add_(0, toks, buf.view(torch.bfloat16).to(torch.float32))
         out.copy_(acc.to(torch.bfloat16))
+
+    def combine_view(self, route) -> torch.Tensor:
+        """One FFN rank: the combine result in this transport's own [C, H] buffer, returned as
+        rows [0, T) (overwritten by the next combine_view: the CUDA view's lifetime)."""
+        if self._view is None:
+            c = self.config
+            self._view = torch.empty(c.capacity_tokens_per_rank, c.hidden_size,
+                                     dtype=torch.bfloat16)
+        out = self._view[:route.shape[0]]
+        self.combine(route, out)
+        return out
 
     # ---- FFN side ---------------------------------------------------------------------
     def receive(self, bucket: int, x, x_scales, weights, expert_offsets, src_rank,

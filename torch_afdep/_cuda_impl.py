@@ -34,6 +34,20 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+class _DeviceMemory:
+    """Exposes registered device memory to ``torch.as_tensor`` (CUDA array interface v2: no
+    stream synchronization); the tensor does not own the memory."""
+
+    def __init__(self, ptr: int, shape, typestr: str):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                         "data": (int(ptr), False), "version": 2}
+
+
+def _device_tensor(ptr: int, shape, device: torch.device) -> torch.Tensor:
+    """int16 tensor aliasing ``shape`` elements at ``ptr`` on ``device`` (no copy)."""
+    return torch.as_tensor(_DeviceMemory(ptr, shape, "<i2"), device=device)
+
+
 class CudaTransport:
     """One rank's CUDA exchange state (collective to create over ``cpu_group``, a gloo group
     of the same ranks in the same order).
@@ -59,6 +73,7 @@ class CudaTransport:
         self.is_ffn = self.role == FFN
         self.index = config.role_index(self.rank)
         self._closed = False
+        self._view = None  # combine_view's [C, H] bfloat16 view of the receive buffer
         c = config
         elem = 1 if c.dtype == torch.float8_e4m3fn else 2
         ffn_ctas, attn_ctas = ((c.local_sms, c.local_sms) if c.local_sms
@@ -134,6 +149,18 @@ class CudaTransport:
     def combine(self, route, out) -> None:
         self._comm.combine(_ptr(route), _ptr(out), int(out.shape[0]), _stream(self.device))
 
+    def combine_view(self, route) -> torch.Tensor:
+        """One FFN rank: wait for the reply, zero the rows of unrouted tokens in the receive
+        buffer and return rows [0, T) of it as a [T, H] bfloat16 view (no copy)."""
+        t = int(route.shape[0])
+        self._comm.combine_in_place(_ptr(route), t, _stream(self.device))
+        if self._view is None:
+            c = self.config
+            self._view = _device_tensor(int(self._comm.view_ptr()),
+                                        (c.capacity_tokens_per_rank, c.hidden_size),
+                                        self.device).view(torch.bfloat16)
+        return self._view[:t]
+
     # ---- FFN --------------------------------------------------------------------------
     def receive(self, bucket, x, x_scales, weights, expert_offsets, src_rank, src_token,
                 token_rows, token_index, num_tokens) -> None:
@@ -188,6 +215,7 @@ class CudaTransport:
         if self._closed:
             return
         self._closed = True
+        self._view = None
         try:
             torch.cuda.synchronize(self.device)
         finally:

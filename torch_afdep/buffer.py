@@ -294,17 +294,39 @@ class Buffer:
             torch.ops.afdep.dispatch, self.state, x, expert_ids, weights, x_scales,
             self.group_name, self.buffer_id, bucket, slot)
 
-    def source_collect(self, *, slot: int = 0) -> torch.Tensor:
-        """Receive and sum the FFN ranks' replies of ``slot``: [T, H] bfloat16 (fp32 sums)."""
+    def source_collect(self, *, slot: int = 0, zero_copy: bool = False) -> torch.Tensor:
+        """Receive and sum the FFN ranks' replies of ``slot``: [T, H] bfloat16 (fp32 sums).
+
+        ``zero_copy=True`` (one FFN rank only): no copy out of the receive buffer; the result
+        is a view of it, rows of tokens without an expert zeroed there. The view stays valid
+        until the next ``source_dispatch`` on the same slot (the FFN's next reply overwrites
+        it) or ``close()``; read it, never write it. Eager and CUDA graphs only (the op path,
+        ``torch.ops.afdep.combine``, is the one ``torch.compile`` traces).
+        """
         self._require_role(ATTENTION, "source_collect")
         slot = self._slot_arg(slot)
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy must be a bool, got {type(zero_copy).__name__}")
+        if zero_copy and self.config.ffn_ranks != 1:
+            raise ValueError(f"zero_copy needs ffn_ranks == 1 (one reply row per token to "
+                             f"view); this buffer has ffn_ranks={self.config.ffn_ranks}")
         route = self._slot_route[slot]
         if self._slot_phase[slot] != "dispatched" or route is None:
             raise AfdepStateError(
                 f"source_collect called without a preceding source_dispatch on slot {slot}")
-        out = self._run(torch.ops.afdep.combine, self.state, route, self.group_name,
-                        self.buffer_id, slot)
+        if zero_copy:
+            out = self._run(self._collect_view, route, slot)
+        else:
+            out = self._run(torch.ops.afdep.combine, self.state, route, self.group_name,
+                            self.buffer_id, slot)
         self._slot_route[slot] = None
+        return out
+
+    def _collect_view(self, route: torch.Tensor, slot: int) -> torch.Tensor:
+        transport = ops._enter(self, slot, "combine")
+        out = transport.combine_view(route)
+        ops._leave(self, slot, "combine")
+        ops._bump(self.state, ops._RECV_CALLS)
         return out
 
     # ---- FFN ranks --------------------------------------------------------------------------

@@ -76,6 +76,8 @@ PYBIND11_MODULE(_cuda, m) {
       .def("receive", &Comm::receive, py::call_guard<py::gil_scoped_release>())
       .def("reply", &Comm::reply, py::call_guard<py::gil_scoped_release>())
       .def("combine", &Comm::combine, py::call_guard<py::gil_scoped_release>())
+      .def("combine_in_place", &Comm::combine_in_place, py::call_guard<py::gil_scoped_release>())
+      .def("view_ptr", &Comm::view_ptr)
       .def("poll_error",
            [](Comm& c, bool clear) {
              auto e = c.poll_error(clear);

@@ -45,8 +45,10 @@ struct CombineArgs {
   int do_recv;
   int real_recv;
   const int64_t* route;       // [T]
-  void* out;                  // bf16         // [T, H]
+  void* out;                  // bf16 [T, H]; null with in_place
   int T;
+  int in_place;               // F == 1: no copy; the caller reads the inbox rows [0, T) of the
+                              // one FFN source, and rows of unrouted tokens are zeroed there
 };
 
 }  // namespace afdep

@@ -47,6 +47,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   std::vector<int> ffn, attn;
   for (int r = 0; r < L.W; ++r) (cfg.is_ffn[r] ? ffn : attn).push_back(r);
   L.F = (int)ffn.size();
+  ffn_rank0_ = ffn.empty() ? -1 : ffn[0];
   L.A = (int)attn.size();
   if (L.F < 1 || L.A < 1) throw std::invalid_argument("need at least one FFN and one Attention rank");
   if (L.F > 64) throw std::invalid_argument("at most 64 FFN ranks");
@@ -240,6 +241,33 @@ void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
   check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+}
+
+void Comm::combine_in_place(uint64_t route, int T, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(!L_.is_ffn, "combine runs on Attention ranks");
+  need(L_.F == 1, "an in-place (zero-copy) combine needs exactly one FFN rank");
+  need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
+  DeviceGuard g(device_);
+  CombineArgs a{};
+  a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
+  a.real_send = 0;
+  a.bucket = 1;
+  a.do_recv = 1;
+  a.real_recv = 1;
+  a.route = reinterpret_cast<const int64_t*>(route);
+  a.out = nullptr;
+  a.T = T;
+  a.in_place = 1;
+  check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+}
+
+uint64_t Comm::view_ptr() const {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(!L_.is_ffn && L_.F == 1, "the combine view exists on Attention ranks with one FFN rank");
+  const auto& b = transport_->peer_bases();
+  const int src = (L_.flags & F_ROLE_BUFFERS) ? 0 : ffn_rank0_;
+  return b[L_.rank] + (uint64_t)L_.off_comb + (uint64_t)src * L_.C * L_.H * 2;
 }
 
 std::vector<uint64_t> Comm::trace() {

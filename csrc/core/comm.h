@@ -57,6 +57,11 @@ class Comm {
   void reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
              uint64_t num_tokens, uint64_t stream);
   void combine(uint64_t route, uint64_t out, int T, uint64_t stream);
+  // F == 1 only: wait like combine, zero the inbox rows of tokens without a route, copy
+  // nothing; the result is view_ptr()'s rows [0, T) (valid until the next dispatch).
+  void combine_in_place(uint64_t route, int T, uint64_t stream);
+  // Address of this Attention rank's combine inbox row 0 of the single FFN source ([C, H] bf16).
+  uint64_t view_ptr() const;
   ErrorInfo poll_error(bool clear);
   // AFDEP_TRACE=1 only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
   // phases (synchronizes the device; empty when tracing is off).
@@ -72,6 +77,7 @@ class Comm {
   ErrorBlock* err_host_ = nullptr;
   void* trace_ = nullptr;
   bool opened_ = false, closed_ = false;
+  int ffn_rank0_ = -1;  // group rank of the first FFN rank (the union layout's view source)
 };
 
 }  // namespace afdep

@@ -89,6 +89,15 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   const int4* inbox = reinterpret_cast<const int4*>(peer_base(L, L.rank) + L.off_comb);
+  if (a.in_place) {  // F == 1: the reply row is the result; only unrouted rows need zeros
+    if (!(mask & 1ull)) {
+      const int src = role ? 0 : L.rank_of_ffn[0];
+      int4* row = const_cast<int4*>(inbox) + ((size_t)src * L.C + t) * nv;
+      const int4 z = make_int4(0, 0, 0, 0);
+      for (int i = v0 + lane; i < v1; i += 32) row[i] = z;
+    }
+    return;
+  }
   if (L.F == 1 && (L.flags & F_SINGLE_FFN)) {
     if (mask & 1ull) {
       const int src = role ? 0 : L.rank_of_ffn[0];

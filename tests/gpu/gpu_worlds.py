@@ -238,8 +238,10 @@ def _delay_cycles(name):
     return int(ms * 2e6)  # about 2 GHz SM clock: a rough delay is enough
 
 
-def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
-    """plan: list of (bucket, [T per Attention rank], routing). Returns per-rank stats."""
+def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
+    """plan: list of (bucket, [T per Attention rank], routing). Returns per-rank stats.
+    ``view``: Attention ranks collect with ``combine_view`` (one FFN rank; no copy), after
+    poisoning the whole receive-buffer view with NaN before each dispatch."""
     cfg = make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
     t = _transport(cfg, rank)
@@ -252,6 +254,7 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     delay_combine = _delay_cycles("AFDEP_TEST_COMBINE_DELAY_MS")
     delay_dispatch = _delay_cycles("AFDEP_TEST_DISPATCH_DELAY_MS")
     inputs_prev = None
+    view_out = None
     try:
         for i, (bucket, tokens, routing) in enumerate(plan):
             seed = seed0 + i
@@ -275,6 +278,8 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                 route = torch.full((T,), -7, dtype=torch.int64, device=dev)
                 out = torch.full((T, cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
                                  device=dev)
+                if view_out is not None:  # rows the FFN or the zeroing must rewrite
+                    view_out.fill_(float("nan"))
                 xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
                 scd = None if sc is None else sc.to(dev)
                 if delay_dispatch:
@@ -282,7 +287,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
                 t.dispatch(xd, idd, wd, scd, bucket, route)
                 if delay_combine:
                     torch.cuda._sleep(delay_combine)
-                t.combine(route, out)
+                if view:
+                    out = t.combine_view(route)
+                    view_out = t._view  # the whole [C, H] buffer, poisoned next time
+                else:
+                    t.combine(route, out)
                 torch.cuda.synchronize()
                 try:
                     t.check_error()
@@ -301,6 +310,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     finally:
         t.close()
     return stats
+
+
+def view_exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
+    """``exchanges_body`` with zero-copy collects (``CudaTransport.combine_view``)."""
+    return exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids, view=True)
 
 
 def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="partial"):

@@ -109,6 +109,17 @@ def test_receiver_never_reads_the_previous_exchange(delay, env):
     run("1A1F", kw, tokens_plan(1, 128), env={**env, delay: "20"})
 
 
+@pytest.mark.parametrize("env", [{}, SYM, {"AFDEP_TEST_REPLY_DELAY_MS": "20"}],
+                         ids=["role_aware", "symmetric", "reply_delayed"])
+def test_zero_copy_collect(env):
+    """One FFN rank: ``combine_view`` returns the receive buffer's rows (no copy), unrouted
+    rows zeroed, poisoned with NaN before every dispatch, against the fp64 reference."""
+    kw = cfg_kw("1A1F", 128, 4096, "bfloat16")
+    stats = run("1A1F", kw, tokens_plan(1, 128), env=env, body=gw.view_exchanges_body)
+    att = [s for s in stats if s["role"] == "attention"][0]
+    assert len(att["rel_err"]) == len(tokens_plan(1, 128))
+
+
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS"]
