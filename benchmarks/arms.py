@@ -278,15 +278,16 @@ class _Cell:
 
 
 class _AfdepCell(_Cell):
-    def __init__(self, rk, cfg, cell, seed, buf):
+    def __init__(self, rk, cfg, cell, seed, buf, zero_copy=False):
         super().__init__(rk, cfg, cell, seed)
         self.buf = buf
+        self.zero_copy = bool(zero_copy) and cfg.ffn_ranks == 1
 
     def step(self):
         buf = self.buf
         if self.rk.is_attention:
             buf.source_dispatch(self.x, self.ids, self.w, self.bucket, x_scales=self.sc)
-            self.out = buf.source_collect()
+            self.out = buf.source_collect(zero_copy=self.zero_copy)
         else:
             rec = buf.worker_receive(self.bucket)
             rows = rec.x.to(torch.bfloat16)  # the "expert": identity for BF16, a cast for FP8
@@ -508,7 +509,7 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
                 rec = dict(info)
                 seed = cell_seed(spec["seed"], spec["repeat"], idx,
                                  rk.index if rk.is_attention else 0)
-                c = _AfdepCell(rk, cfg, cell, seed, buf)
+                c = _AfdepCell(rk, cfg, cell, seed, buf, spec.get("zero_copy", False))
                 go_on = _run_cell(rk, c, spec, rec, idx)
                 emit(idx, cell, rec)
                 if not go_on:

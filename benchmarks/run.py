@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch_afdep.reference.random_routing kinds (default random skewed)")
     g.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="tokens per Attention rank; bucket = T (default 1 8 32 128 512 2048)")
+    g.add_argument("--zero-copy", action="store_true",
+                   help="afdep arms collect with source_collect(zero_copy=True) in layouts "
+                        "with one FFN rank (a view of the receive buffer, no copy)")
     g.add_argument("--arms", nargs="+", choices=ARMS, default=None,
                    help="arms to run (default all four)")
     g.add_argument("--experts", type=int, default=DEFAULTS["experts"])
@@ -442,6 +445,7 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "attention_delay_us": 0.0 if args.cpu_smoke else args.attention_delay_us,
             "queue_ahead_us": 0.0 if args.cpu_smoke else args.queue_ahead_us,
             "eager_arms": list(args.eager_arms),
+            "zero_copy": bool(args.zero_copy),
             "device": "cpu" if args.cpu_smoke else "cuda",
             "inject": parse_inject(os.environ.get("AFDEP_BENCH_INJECT", ""))}
     env = dict(BASE_ENV)

@@ -492,3 +492,19 @@ def test_stalled_world_is_ended_and_recorded(tmp_path):
     assert rows[("nccl_bare", 1)]["status"] == "ok" and rows[("nccl_bare", 8)]["status"] == "ok"
     w = next(w for w in d["worlds"] if w["arm"] == "nccl")
     assert w["status"] == "failed" and "no progress" in w["error"]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_zero_copy(tmp_path):
+    """--zero-copy: the afdep arm collects with a view of the receive buffer (one FFN rank)
+    and its results still check against the reference in eager steps and graph replays."""
+    p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
+                 "--replays", "2", "--warmup", "1", "--arms", "afdep", "--zero-copy",
+                 "--hidden", "256", "--kernel-timeout", "10", "--out-dir", str(tmp_path),
+                 "--name", "zc", "--no-plot", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.load(open(tmp_path / "zc.json"))
+    assert d["args"]["zero_copy"] is True and d["args"]["layout"] == ["1A1F"]
+    for r in d["results"]:
+        assert r["status"] == "ok", r
+        assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
