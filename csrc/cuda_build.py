@@ -5,6 +5,7 @@ CPU-only torch too. setup.py calls ``make_cuda_extension(root, cuda_home)`` and 
 result with torch's BuildExtension (ninja), which compiles the ``.cu`` sources with nvcc.
 
 Environment:
+    AFDEP_NCCL=0, AFDEP_NCCL_HOME   see ``find_nccl`` (the optional NCCL transport)
     AFDEP_CUDA_ARCH   nvcc target flags, e.g. "-gencode=arch=compute_90a,code=sm_90a" (the
                       default) or a ';'/space separated list of such flags.
 """
@@ -19,9 +20,37 @@ SOURCES = [
     "csrc/bindings/cuda_module.cpp",
     "csrc/core/comm.cpp",
     "csrc/core/transport_ipc.cpp",
+    "csrc/core/transport_nccl.cu",
     "csrc/kernels/dispatch.cu",
     "csrc/kernels/combine.cu",
 ]
+
+
+def find_nccl():
+    """(include dir, lib dir) of the NCCL to build the NCCL transport against, or None.
+
+    ``AFDEP_NCCL_HOME`` (a folder with include/nccl_device.h and lib/libnccl.so.2) wins;
+    else the nvidia-nccl-cu13 wheel beside torch (what torch loads at run time). The system's
+    /usr/include/nccl.h is never used: its version rarely matches the library torch loads.
+    ``AFDEP_NCCL=0`` builds without the NCCL transport."""
+    import importlib.util
+
+    if os.environ.get("AFDEP_NCCL", "1") == "0":
+        return None
+    roots = []
+    if os.environ.get("AFDEP_NCCL_HOME"):
+        roots.append(os.environ["AFDEP_NCCL_HOME"])
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+        roots += list(spec.submodule_search_locations or []) if spec else []
+    except ImportError:  # no "nvidia" namespace package installed
+        pass
+    for r in roots:
+        inc, lib = os.path.join(r, "include"), os.path.join(r, "lib")
+        if os.path.exists(os.path.join(inc, "nccl_device.h")) and os.path.exists(
+                os.path.join(lib, "libnccl.so.2")):
+            return inc, lib
+    return None
 
 
 def arch_flags() -> list:
@@ -63,6 +92,13 @@ def make_cuda_extension(root: str, cuda_home: str):
     libdirs = [d for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib"))
                if os.path.isdir(d)]
     common = ["-O3", "-std=c++17"]
+    link = []
+    nccl = find_nccl()
+    if nccl:  # the NCCL headers first: /usr/include may hold another NCCL's nccl.h
+        inc.insert(0, nccl[0])
+        common.append("-DAFDEP_WITH_NCCL")
+        libdirs.append(nccl[1])
+        link = ["-l:libnccl.so.2"]
     return Extension(
         name="torch_afdep._cuda",
         sources=SOURCES,  # relative to setup.py's directory, as setuptools expects
@@ -70,6 +106,7 @@ def make_cuda_extension(root: str, cuda_home: str):
         library_dirs=libdirs,
         libraries=["cudart"],
         runtime_library_dirs=libdirs,
+        extra_link_args=link,
         language="c++",
         extra_compile_args={
             "cxx": common + ["-fvisibility=hidden"],

@@ -7,7 +7,8 @@
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
-#      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results).
+#      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
+#      PACK=1 (pack $OUT into one bundle.tgz at the end).
 set -u -o pipefail
 MODE="${1:-full}"
 OUT="${OUT:-$PWD/gpu_out}"
@@ -115,3 +116,5 @@ if [ "${TRACE:-0}" = "1" ]; then
   echo "trace rc=$?" | tee -a "$OUT/trace.log"; tail -34 "$OUT/trace.log"
 fi
 stamp "suite done"
+# PACK=1: one $OUT/bundle.tgz instead of many files (the device returns at most 8)
+if [ "${PACK:-0}" = "1" ]; then bash "$(dirname "$0")/pack_out.sh"; fi

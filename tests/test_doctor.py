@@ -297,3 +297,37 @@ def test_cuda_selftest_on_gpus(clean_env):
     n = torch.cuda.device_count()
     assert res["device_ids"] == [0, 1 % n]
     assert res["max_rel_error"] < 1e-2
+
+
+def test_nccl_versions_of_the_extension():
+    """What the CUDA extension was built against and what it loaded: a mismatch is a problem
+    (the NCCL transport refuses to start then), an extension without NCCL says so."""
+    from types import SimpleNamespace
+
+    def versions(code, loaded):
+        rep = doctor.Report()
+        ext = SimpleNamespace(NCCL_VERSION_CODE=code, nccl_runtime_version=lambda: loaded,
+                              runtime_version=lambda: 13000)
+        doctor.check_versions(rep, ext)
+        return rep.facts["versions"], rep.problems
+
+    v, problems = versions(22809, 22809)
+    assert v["nccl_headers_extension"] == "2.28.9" and v["nccl_loaded_extension"] == "2.28.9"
+    assert problems == []
+    v, problems = versions(22809, 23007)
+    assert v["nccl_loaded_extension"] == "2.30.7"
+    assert len(problems) == 1 and "built against NCCL 2.28.9 but libnccl 2.30.7" in problems[0]
+    v, problems = versions(0, -1)
+    assert v["nccl_headers_extension"].startswith("n/a (built without NCCL")
+    assert v["nccl_loaded_extension"] == "n/a" and problems == []
+
+
+def test_transport_selection(clean_env):
+    from torch_afdep._cuda_impl import transport_kind
+
+    assert transport_kind({}) == "ipc"
+    assert transport_kind({"AFDEP_TRANSPORT": " NCCL "}) == "nccl"
+    with pytest.raises(ValueError, match=r"AFDEP_TRANSPORT must be one of \['ipc', 'nccl'\], "
+                                         r"got 'shm'"):
+        transport_kind({"AFDEP_TRANSPORT": "shm"})
+    assert "AFDEP_TRANSPORT" in doctor.OTHER_AFDEP_ENV

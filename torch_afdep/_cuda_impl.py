@@ -34,6 +34,26 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+#: ``AFDEP_TRANSPORT``: how the ranks' windows are mapped into each other.
+TRANSPORTS = {
+    "ipc": "CUDA IPC handles (default; several ranks may share a GPU)",
+    "nccl": "NCCL device API: ncclMemAlloc + symmetric window, LSA peer pointers (one rank "
+            "per GPU, one NVLink domain; the extension must be built against the NCCL torch "
+            "loads)",
+}
+
+
+def transport_kind(env=None) -> str:
+    """The transport ``AFDEP_TRANSPORT`` selects ("ipc" when unset)."""
+    import os
+
+    env = os.environ if env is None else env
+    v = env.get("AFDEP_TRANSPORT", "ipc").strip().lower() or "ipc"
+    if v not in TRANSPORTS:
+        raise ValueError(f"AFDEP_TRANSPORT must be one of {sorted(TRANSPORTS)}, got {v!r}")
+    return v
+
+
 class _DeviceMemory:
     """Exposes registered device memory to ``torch.as_tensor`` (CUDA array interface v2: no
     stream synchronization); the tensor does not own the memory."""
@@ -69,6 +89,7 @@ class CudaTransport:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = cpu_group
         self.flags = controls.current() if flags is None else int(flags)
+        self.transport_kind = transport_kind()
         self.role = config.role_of(self.rank)
         self.is_ffn = self.role == FFN
         self.index = config.role_index(self.rank)
@@ -84,23 +105,25 @@ class CudaTransport:
             num_sms=c.num_sms, hidden=c.hidden_size, elem=elem, scale_cols=c.scale_cols,
             num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
             timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas),
-            attn_ctas=int(attn_ctas))
+            attn_ctas=int(attn_ctas), transport=self.transport_kind)
         #: CTAs of the FFN's receive/reply kernels (every rank must agree: Attention ranks
         #: count the reply kernel's CTAs) and of this rank's combine kernel (Attention)
         self.ffn_grid = int(self._comm.ffn_grid)
         self.attn_grid = int(self._comm.attn_grid)
-        mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint(), self.ffn_grid)
+        mine = (bytes(self._comm.local_handle()), self.flags, c.fingerprint(), self.ffn_grid,
+                self.transport_kind)
         world = dist.get_world_size(cpu_group)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine, group=cpu_group)
         bad = [r for r, g in enumerate(gathered) if g[1] != self.flags or g[2] != c.fingerprint()
-               or g[3] != self.ffn_grid]
+               or g[3] != self.ffn_grid or g[4] != self.transport_kind]
         if bad:
-            self._comm.close()
+            self._comm.close(False)
             raise RuntimeError(
-                f"torch_afdep: ranks {bad} differ in protocol controls, config or FFN grid "
-                f"(this rank: {controls.describe(self.flags)}, ffn grid {self.ffn_grid}); set "
-                "the same AFDEP_* environment on every rank (and local_sms when the GPUs differ)")
+                f"torch_afdep: ranks {bad} differ in protocol controls, config, FFN grid or "
+                f"transport (this rank: {controls.describe(self.flags)}, ffn grid "
+                f"{self.ffn_grid}, AFDEP_TRANSPORT={self.transport_kind}); set the same "
+                "AFDEP_* environment on every rank (and local_sms when the GPUs differ)")
         self._comm.open([g[0] for g in gathered])
         dist.barrier(group=cpu_group)
 
@@ -219,16 +242,20 @@ class CudaTransport:
         try:
             torch.cuda.synchronize(self.device)
         finally:
-            if clean and dist.is_initialized():
-                import datetime
+            met = False  # a clean (for NCCL: collective) teardown needs every peer here
+            try:
+                if clean and dist.is_initialized():
+                    import datetime
 
-                work = dist.barrier(group=self.group, async_op=True)
-                work.wait(datetime.timedelta(seconds=float(self.config.timeout_s) + 30.0))
-            self._comm.close()
+                    work = dist.barrier(group=self.group, async_op=True)
+                    work.wait(datetime.timedelta(seconds=float(self.config.timeout_s) + 30.0))
+                    met = True
+            finally:
+                self._comm.close(met)
 
     def __del__(self):
         try:
             if not self._closed:
-                self._comm.close()
+                self._comm.close(False)  # no peer to meet from a finalizer
         except Exception:
             pass

@@ -43,7 +43,13 @@ OTHER_AFDEP_ENV = {
     controls.SYMMETRIC: "1 reverts every protocol control at once (the symmetric baseline)",
     "AFDEP_ROLES": "roles of afdep groups created without AfdepOptions, e.g. FFAA",
     "AFDEP_CHECK_INPUTS": "0 skips the host-side expert-id range check of eager CUDA dispatch",
+    "AFDEP_TRANSPORT": "CUDA transport: ipc (CUDA IPC, default) or nccl (NCCL device-API "
+                       "windows; one rank per GPU)",
     "AFDEP_BUILD_CUDA": "build time: 0/1 forces the CUDA extension off/on",
+    "AFDEP_NCCL": "build time: 0 builds the CUDA extension without the NCCL transport",
+    "AFDEP_NCCL_HOME": "build time: NCCL (include/, lib/) for the NCCL transport",
+    "AFDEP_DEBUG": "diagnostics: 1 prints signal values from the kernels; never in benchmarks",
+    "AFDEP_TRACE": "diagnostics: 1 records per-stage timestamps (benchmarks/trace.py)",
     "AFDEP_CUDA_ARCH": "build time: nvcc -gencode targets of the CUDA extension",
     "AFDEP_COMMIT": "benchmarks: the commit recorded in result files",
     "AFDEP_BENCH_INJECT": "benchmarks test hook: inject failures (never set in real runs)",
@@ -107,15 +113,28 @@ def _cuda_runtime_str(v: int) -> str:
 
 def check_versions(rep: Report, cuda_ext) -> None:
     nccl_headers = "n/a" if cuda_ext is None else "n/a (not recorded by torch_afdep._cuda)"
+    nccl_loaded = "n/a"
     if cuda_ext is not None:
         for name in ("NCCL_VERSION_CODE", "nccl_version", "nccl_build_version", "NCCL_VERSION"):
             v = getattr(cuda_ext, name, None)
             if v is not None:
                 try:
-                    nccl_headers = _format_nccl(v() if callable(v) else v)
+                    v = v() if callable(v) else v
+                    nccl_headers = ("n/a (built without NCCL: AFDEP_TRANSPORT=nccl unavailable)"
+                                    if v == 0 else _format_nccl(v))
                 except Exception as e:  # a broken binding: report, do not fail the doctor
                     nccl_headers = f"n/a ({e})"
                 break
+        if hasattr(cuda_ext, "nccl_runtime_version"):
+            try:
+                rv = int(cuda_ext.nccl_runtime_version())
+                nccl_loaded = _format_nccl(rv) if rv > 0 else "n/a"
+            except Exception as e:
+                nccl_loaded = f"n/a ({e})"
+        if nccl_headers[:1].isdigit() and nccl_loaded[:1].isdigit() and nccl_headers != nccl_loaded:
+            rep.problem(f"torch_afdep._cuda was built against NCCL {nccl_headers} but libnccl "
+                        f"{nccl_loaded} is loaded: AFDEP_TRANSPORT=nccl will refuse to start; "
+                        f"rebuild beside the NCCL torch loads ({REBUILD})")
     ext_runtime = "n/a"
     if cuda_ext is not None and hasattr(cuda_ext, "runtime_version"):
         try:
@@ -132,6 +151,7 @@ def check_versions(rep: Report, cuda_ext) -> None:
         "cuda_runtime_extension": ext_runtime,
         "nccl_torch": torch_nccl_version(),
         "nccl_headers_extension": nccl_headers,
+        "nccl_loaded_extension": nccl_loaded,
     }
 
 
@@ -223,8 +243,15 @@ def check_gpus(rep: Report) -> None:
 def check_transport(rep: Report, cuda_mod) -> None:
     """Mirror of ``Buffer``'s default device choice."""
     if torch.cuda.is_available() and cuda_mod is not None:
-        name, desc = "cuda-ipc", ("CUDA IPC peer memory between the GPUs of one NVLink domain "
-                                  "(torch_afdep._cuda kernels, no host synchronization)")
+        from ._cuda_impl import TRANSPORTS, transport_kind
+
+        try:
+            kind = transport_kind()
+        except ValueError as e:
+            rep.problem(str(e))
+            kind = "ipc"
+        name, desc = f"cuda-{kind}", (TRANSPORTS[kind] + " (torch_afdep._cuda kernels, no host "
+                                      "synchronization)")
     else:
         name, desc = "cpu-gloo", "CPU: gloo point-to-point messages (no usable GPU transport)"
     rep.facts["transport"] = {"name": name, "description": desc}

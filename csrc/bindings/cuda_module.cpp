@@ -29,6 +29,9 @@ PYBIND11_MODULE(_cuda, m) {
     cudaRuntimeGetVersion(&v);
     return v;
   });
+  // NCCL the extension was built against (0: built without NCCL) and the one loaded.
+  m.attr("NCCL_VERSION_CODE") = afdep::nccl_header_version();
+  m.def("nccl_runtime_version", []() { return afdep::nccl_runtime_version(); });
   m.def("device_count", []() {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
@@ -38,7 +41,8 @@ PYBIND11_MODULE(_cuda, m) {
   py::class_<Comm>(m, "Comm")
       .def(py::init([](int rank, int device, std::vector<int> is_ffn, int num_sms, int hidden,
                        int elem, int scale_cols, int num_experts, int top_k, int capacity,
-                       double timeout_s, unsigned flags, int ffn_ctas, int attn_ctas) {
+                       double timeout_s, unsigned flags, int ffn_ctas, int attn_ctas,
+                       std::string transport) {
              CommConfig c;
              c.rank = rank;
              c.device = device;
@@ -54,12 +58,13 @@ PYBIND11_MODULE(_cuda, m) {
              c.flags = flags;
              c.ffn_ctas = ffn_ctas;
              c.attn_ctas = attn_ctas;
+             c.transport = std::move(transport);
              return new Comm(c);
            }),
            py::arg("rank"), py::arg("device"), py::arg("is_ffn"), py::arg("num_sms"),
            py::arg("hidden"), py::arg("elem"), py::arg("scale_cols"), py::arg("num_experts"),
            py::arg("top_k"), py::arg("capacity"), py::arg("timeout_s"), py::arg("flags"),
-           py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24)
+           py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24, py::arg("transport") = "ipc")
       .def("local_handle", [](Comm& c) { return py::bytes(c.local_handle()); })
       .def("open",
            [](Comm& c, const std::vector<py::bytes>& hs) {
@@ -93,5 +98,6 @@ PYBIND11_MODULE(_cuda, m) {
            },
            py::arg("clear") = true)
       .def("trace", &Comm::trace)
-      .def("close", &Comm::close);
+      .def_property_readonly("transport_name", &Comm::transport_name)
+      .def("close", &Comm::close, py::arg("clean") = true);
 }

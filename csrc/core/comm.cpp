@@ -127,14 +127,20 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.debug = dbg ? std::atoi(dbg) : 0;
 
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
-  transport_ = make_ipc_transport(device_);
+  if (cfg.transport == "nccl") {
+    transport_ = make_nccl_transport(device_, cfg.rank, L.W);
+  } else if (cfg.transport == "ipc") {
+    transport_ = make_ipc_transport(device_);
+  } else {
+    throw std::invalid_argument("transport must be 'ipc' or 'nccl', got '" + cfg.transport + "'");
+  }
   transport_->allocate((size_t)L.window_bytes);
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 Comm::~Comm() {
   try {
-    close();
+    close(false);
   } catch (...) {
   }
 }
@@ -315,12 +321,12 @@ ErrorInfo Comm::poll_error(bool clear) {
   return e;
 }
 
-void Comm::close() {
+void Comm::close(bool clean) {
   if (closed_) return;
   closed_ = true;
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
-  if (transport_) transport_->close();
+  if (transport_) transport_->close(clean);
   if (workspace_) cudaFree(workspace_);
   workspace_ = nullptr;
   if (trace_) cudaFree(trace_);

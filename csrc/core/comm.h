@@ -28,6 +28,7 @@ struct CommConfig {
   int capacity = 0;
   double timeout_s = 100.0;
   uint32_t flags = kAllRoleAware;
+  std::string transport = "ipc";  // "ipc" (CUDA IPC) or "nccl" (NCCL LSA windows)
 };
 
 struct ErrorInfo {
@@ -66,7 +67,9 @@ class Comm {
   // AFDEP_TRACE=1 only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
   // phases (synchronizes the device; empty when tracing is off).
   std::vector<uint64_t> trace();
-  void close();
+  // clean: every peer reached close (collective teardown allowed); else local only.
+  void close(bool clean = true);
+  const char* transport_name() const { return transport_ ? transport_->name() : "none"; }
 
  private:
   Layout L_{};

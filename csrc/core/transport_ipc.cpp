@@ -23,7 +23,7 @@ class IpcTransport final : public Transport {
   explicit IpcTransport(int device) : device_(device) {}
   ~IpcTransport() override {
     try {
-      close();
+      close(false);
     } catch (...) {
     }
   }
@@ -68,7 +68,7 @@ class IpcTransport final : public Transport {
 
   const std::vector<uint64_t>& peer_bases() const override { return bases_; }
 
-  void close() override {
+  void close(bool /*clean: nothing collective to tear down*/) override {
     if (closed_) return;
     closed_ = true;
     cudaSetDevice(device_);

@@ -170,6 +170,49 @@ def test_cuda_graph_replays(layout, dtype, env):
     assert all(r == 100 for r in res)
 
 
+def _nccl_built() -> bool:
+    try:
+        import torch_afdep._cuda as c
+
+        return int(getattr(c, "NCCL_VERSION_CODE", 0)) != 0
+    except Exception:
+        return False
+
+
+NCCL = {"AFDEP_TRANSPORT": "nccl"}
+needs_nccl = pytest.mark.skipif(not _nccl_built(),
+                                reason="torch_afdep._cuda was built without the NCCL headers")
+
+
+@needs_nccl
+@pytest.mark.parametrize("env", [NCCL, {**NCCL, **SYM}], ids=["role_aware", "symmetric"])
+@pytest.mark.parametrize("cap,hidden,dtype", [(128, 4096, "bfloat16"),
+                                              (2048, 7168, "float8_e4m3fn")])
+def test_nccl_transport_eager(env, cap, hidden, dtype):
+    """The same kernels over NCCL device-API windows (LSA peer pointers) instead of CUDA IPC."""
+    kw = cfg_kw("1A1F", cap, hidden, dtype)
+    run("1A1F", kw, tokens_plan(1, cap), env=env)
+
+
+@needs_nccl
+def test_nccl_transport_graph_replays():
+    kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
+    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 128, [128], 100, 7000, device_ids=[0, 1],
+                             env={**BASE_ENV, **NCCL}, timeout=600)
+    assert res == [100, 100]
+
+
+@needs_nccl
+def test_nccl_transport_refuses_two_ranks_on_one_gpu():
+    """NCCL allows one rank per GPU: a shared-GPU layout fails at construction with a hint."""
+    from torch_afdep.testing import WorldError
+
+    kw = cfg_kw("2A2F", 128, 1024)
+    with pytest.raises(WorldError, match="one rank per GPU"):
+        spawn_world(gw.sizes_body, 4, kw, device_ids=[0, 1, 0, 1], env={**BASE_ENV, **NCCL},
+                    timeout=120)
+
+
 def test_timeout_raises():
     kw = cfg_kw("1A1F", 128, 2048, timeout=2.0)
     res = gw.spawn_gpu_world(gw.timeout_body, 2, kw, device_ids=[0, 1], env=BASE_ENV, timeout=120)
