@@ -233,12 +233,21 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
 }
 
 void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
+  launch_collect(route, out, T, false, stream);
+}
+
+void Comm::combine_in_place(uint64_t route, int T, uint64_t stream) {
+  need(L_.F == 1, "an in-place (zero-copy) combine needs exactly one FFN rank");
+  launch_collect(route, 0, T, true, stream);
+}
+
+void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, uint64_t stream) {
   need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
   need(!L_.is_ffn, "combine runs on Attention ranks");
   need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
   DeviceGuard g(device_);
   CombineArgs a{};
-  a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
+  a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;  // symmetric: a dummy reply sender too
   a.real_send = 0;
   a.bucket = 1;
   a.do_recv = 1;
@@ -246,25 +255,7 @@ void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
   a.route = reinterpret_cast<const int64_t*>(route);
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
-  check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
-}
-
-void Comm::combine_in_place(uint64_t route, int T, uint64_t stream) {
-  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
-  need(!L_.is_ffn, "combine runs on Attention ranks");
-  need(L_.F == 1, "an in-place (zero-copy) combine needs exactly one FFN rank");
-  need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
-  DeviceGuard g(device_);
-  CombineArgs a{};
-  a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
-  a.real_send = 0;
-  a.bucket = 1;
-  a.do_recv = 1;
-  a.real_recv = 1;
-  a.route = reinterpret_cast<const int64_t*>(route);
-  a.out = nullptr;
-  a.T = T;
-  a.in_place = 1;
+  a.in_place = in_place ? 1 : 0;
   check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
 }
 

@@ -72,6 +72,8 @@ class Comm {
   const char* transport_name() const { return transport_ ? transport_->name() : "none"; }
 
  private:
+  void launch_collect(uint64_t route, uint64_t out, int T, bool in_place, uint64_t stream);
+
   Layout L_{};
   int device_;
   int64_t union_bytes_ = 0;
