@@ -175,8 +175,10 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uin
 
 // Before one thread of the CTA signals peers that the CTA's data is written: every thread
 // first orders its own (possibly remote, NVLink) stores at system scope, then the CTA meets.
-// A fence orders the calling thread's stores only; without it the signal could overtake
-// another warp's stores still in flight to the peer.
+// Belt and braces: the signalling thread's fence after bar.sync should cover the CTA's stores
+// (cumulativity), and the stale reads once blamed on this side were on the reader's
+// (sys_fence_after_wait). It costs ~4 us per exchange; AFDEP_DEBUG=8 drops it, to become the
+// default once the delayed-sender regression test passes without it.
 __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
   if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();
   __syncthreads();
