@@ -82,7 +82,7 @@ struct Layout {
   uint32_t flags;
   uint64_t timeout_ns;
   // window offsets (identical on every rank)
-  int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, pad, i32 ecnt[El]}
+  int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, i32 ahead, i32 ecnt[El]}
   int64_t off_disp_done;        // u64 [W][S]: payload of (src, ch) written (count-first or early)
   int64_t off_comb_done;        // u64 [W]: CTAs of source rank's reply kernels done, summed
   int64_t off_entry;            // u64 [2][W][S]

@@ -110,8 +110,10 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int 
 }
 
 // Write this CTA's counts into the count block (rank, c) of each target, then release seq.
+// ahead: the payload follows (early counts): the receiver must wait for the region's payload
+// flag before reading it; else the counts imply the payload.
 __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, const int* s_cnt,
-                               const int* s_ecnt) {
+                               const int* s_ecnt, bool ahead) {
   const int c = blockIdx.x;
   const int ntg = all_peers ? L.W : L.F;
   const int per = L.El + 1;
@@ -130,9 +132,10 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     char* blk = cnt_block(L, peer_base(L, d), L.rank, c);
     int v = 0;
     if (f >= 0) v = (e == 0) ? s_cnt[f] : s_ecnt[(size_t)f * L.El + (e - 1)];
-    if (e == 0)
+    if (e == 0) {
       *reinterpret_cast<int*>(blk + 8) = v;
-    else
+      *reinterpret_cast<int*>(blk + 12) = ahead ? 1 : 0;
+    } else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
   if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();  // own stores first: see sys_fence_then_sync
@@ -162,6 +165,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
   int* s_ready = s_rb + nreg + 1;   // [nreg] early counts: region's payload seen complete
+  int* s_ahead = s_ready + nreg;     // [nreg] 1: region's counts came before its payload
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
     for (int i = tid; i < nreg * q4; i += blockDim.x) {
@@ -180,6 +184,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   for (int g = tid; g < nreg; g += blockDim.x) {
     s_rb[g] = min(max(blk_count(L, mine, L.rank_of_attn[g / L.S], g % L.S), 0), L.slots);
     s_ready[g] = 0;
+    s_ahead[g] = ld_cg_i32(reinterpret_cast<const int*>(
+                     cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 12));
   }
   __syncthreads();
   for (int e = tid; e < El; e += blockDim.x) {
@@ -247,7 +253,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       }
     }
     if (row < 0) continue;
-    if (L.early) {  // counts came before the payload: wait for this region's payload flag
+    if (L.early && s_ahead[g]) {  // counts came before the payload: wait for its flag
       int ok = 1;
       if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
         ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
@@ -305,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       for (int t = lo + warp; t < hi; t += kWarps)
         claim_token(L, a, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
       __syncthreads();
-      publish_counts(L, n, true, s_cnt, s_ecnt);
+      publish_counts(L, n, true, s_cnt, s_ecnt, false);
       // everyone spins until every rank's counts arrived
       bool ok = true;
       for (int i = tid; i < L.W * L.S && ok; i += blockDim.x)
@@ -333,12 +339,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
     const bool counts_done = L.early && !fused;
-    if (counts_done) publish_counts(L, n, false, s_cnt, s_ecnt);  // metadata fenced inside
+    if (counts_done) publish_counts(L, n, false, s_cnt, s_ecnt, true);  // metadata fenced inside
     if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
-    if (!count_first && !counts_done) publish_counts(L, n, all_peers, s_cnt, s_ecnt);
+    if (!count_first && !counts_done) publish_counts(L, n, all_peers, s_cnt, s_ecnt, false);
     if (L.early) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {
         fence_acq_rel_sys();
@@ -386,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 size_t dispatch_smem_bytes(const Layout& L) {
   const size_t send = ((size_t)L.F + L.E + (size_t)L.slots * L.F) * 4;
   const size_t nreg = (size_t)L.A * L.S;
-  const size_t recv = (nreg * L.El + L.El + 1 + 2 * nreg + 1) * 4;
+  const size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 1) * 4;
   return send > recv ? send : recv;
 }
 
