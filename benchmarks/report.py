@@ -320,6 +320,14 @@ def markdown(doc: Dict[str, Any]) -> str:
                  f"each alignment before timing"
                  + (f", queue-ahead {a.get('queue_ahead_us'):g} µs" if a.get("queue_ahead_us")
                     else ""))
+    ev = doc.get("env", {}).get("vars") or {}
+    afdep_how = [f"transport {ev.get('AFDEP_TRANSPORT', 'ipc')}"]
+    if a.get("zero_copy"):
+        afdep_how.append("zero-copy collect where one FFN rank")
+    if ev.get("AFDEP_DEBUG", "0") not in ("", "0"):
+        afdep_how.append(f"AFDEP_DEBUG={ev['AFDEP_DEBUG']} (diagnostic setting: not a result "
+                         "of record)")
+    lines.append("- afdep arms: " + ", ".join(afdep_how))
     lines.append("- Communication only: one dispatch + combine round trip under CUDA graphs, "
                  "µs, lower is better; per repeat the MAX over Attention ranks of each rank's "
                  "median replay; latency = median over repeats (one fresh process group per "

@@ -505,6 +505,8 @@ def test_cpu_smoke_zero_copy(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "zc.json"))
     assert d["args"]["zero_copy"] is True and d["args"]["layout"] == ["1A1F"]
+    md = open(tmp_path / "zc.md").read()
+    assert "- afdep arms: transport ipc, zero-copy collect where one FFN rank" in md
     for r in d["results"]:
         assert r["status"] == "ok", r
         assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
