@@ -65,7 +65,11 @@ class _DeviceMemory:
 
 def _device_tensor(ptr: int, shape, device: torch.device) -> torch.Tensor:
     """int16 tensor aliasing ``shape`` elements at ``ptr`` on ``device`` (no copy)."""
-    return torch.as_tensor(_DeviceMemory(ptr, shape, "<i2"), device=device)
+    with torch.cuda.device(device):  # older torch builds take the current device
+        t = torch.as_tensor(_DeviceMemory(ptr, shape, "<i2"), device=device)
+    if t.data_ptr() != ptr:
+        raise RuntimeError("torch_afdep: the receive-buffer view was copied, not aliased")
+    return t
 
 
 class CudaTransport:
