@@ -134,6 +134,14 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   } else {
     throw std::invalid_argument("transport must be 'ipc' or 'nccl', got '" + cfg.transport + "'");
   }
+  if (cfg.transport == "nccl") {
+    // A symmetric NCCL window has one size on every rank: the larger role's window (still
+    // below the union layout, which holds both inboxes from every rank).
+    Layout other = L;
+    other.is_ffn = L.is_ffn ? 0 : 1;
+    compute_offsets(other);
+    if (other.window_bytes > L.window_bytes) L.window_bytes = other.window_bytes;
+  }
   transport_->allocate((size_t)L.window_bytes);
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
