@@ -129,18 +129,16 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
   if (cfg.transport == "nccl") {
     transport_ = make_nccl_transport(device_, cfg.rank, L.W);
-  } else if (cfg.transport == "ipc") {
-    transport_ = make_ipc_transport(device_);
-  } else {
-    throw std::invalid_argument("transport must be 'ipc' or 'nccl', got '" + cfg.transport + "'");
-  }
-  if (cfg.transport == "nccl") {
     // A symmetric NCCL window has one size on every rank: the larger role's window (still
     // below the union layout, which holds both inboxes from every rank).
     Layout other = L;
     other.is_ffn = L.is_ffn ? 0 : 1;
     compute_offsets(other);
     if (other.window_bytes > L.window_bytes) L.window_bytes = other.window_bytes;
+  } else if (cfg.transport == "ipc") {
+    transport_ = make_ipc_transport(device_);
+  } else {
+    throw std::invalid_argument("transport must be 'ipc' or 'nccl', got '" + cfg.transport + "'");
   }
   transport_->allocate((size_t)L.window_bytes);
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
