@@ -52,7 +52,8 @@ CONTROLS: Dict[str, Control] = {
         "kernel"),
     "AFDEP_EARLY_COUNTS": Control(
         1 << 7, 1,
-        "a sender CTA with few tokens publishes its counts before copying the payload (the "
+        "a sender CTA with few tokens (but >= 32 KB of payload) publishes its counts before "
+        "copying the payload (the "
         "FFN computes its offsets while the payload is in flight) and then a per-channel "
         "payload flag; needs the four directional controls; 0 = counts after the payload"),
 }

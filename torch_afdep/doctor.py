@@ -48,7 +48,8 @@ OTHER_AFDEP_ENV = {
     "AFDEP_BUILD_CUDA": "build time: 0/1 forces the CUDA extension off/on",
     "AFDEP_NCCL": "build time: 0 builds the CUDA extension without the NCCL transport",
     "AFDEP_NCCL_HOME": "build time: NCCL (include/, lib/) for the NCCL transport",
-    "AFDEP_DEBUG": "diagnostics: 1 prints signal values from the kernels; never in benchmarks",
+    "AFDEP_DEBUG": "diagnostics: 1 prints signal values from the kernels, 8 fences in every writer "
+                   "thread (older, slower form); never in benchmarks",
     "AFDEP_TRACE": "diagnostics: 1 records per-stage timestamps (benchmarks/trace.py)",
     "AFDEP_CUDA_ARCH": "build time: nvcc -gencode targets of the CUDA extension",
     "AFDEP_COMMIT": "benchmarks: the commit recorded in result files",

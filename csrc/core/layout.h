@@ -18,7 +18,11 @@ enum ControlFlags : uint32_t {
   F_EARLY_COUNTS = 1u << 7,        // counts before the payload, then a per-channel payload flag
 };
 constexpr uint32_t kAllRoleAware = 0xff;
-constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
+constexpr int kMaxAttn = 1024;
+// Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
+// ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
+// i.e. when crossing NVLink takes longer than the receiver's offset computation.
+constexpr int64_t kEarlyMinBytes = 32 * 1024;  // Attention ranks per group (combine kernel's shared table)
 // Wide grids need the directional protocol (the barriers and dummy stages of the reverted
 // controls are per channel, i.e. S CTAs on every rank).
 constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
@@ -30,8 +34,9 @@ constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY
 // benchmarks of record)
 enum DebugBits : int {
   kDbgPrint = 1,     // CTA 0 prints exchange numbers and signal values (printf)
-  kDbgOneFence = 8,  // writers: one sys fence per signal instead of one per thread (faster;
-                     // not yet shown safe on the GPU, see docs/protocol.md)
+  kDbgThreadFence = 8,  // writers: every thread fences its own stores at system scope before
+                        // the CTA signals (the old, slower form; default: the signalling
+                        // thread's one fence after bar.sync covers the CTA's stores)
 };
 
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };

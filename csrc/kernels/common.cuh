@@ -173,14 +173,13 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uin
   }
 }
 
-// Before one thread of the CTA signals peers that the CTA's data is written: every thread
-// first orders its own (possibly remote, NVLink) stores at system scope, then the CTA meets.
-// Belt and braces: the signalling thread's fence after bar.sync should cover the CTA's stores
-// (cumulativity), and the stale reads once blamed on this side were on the reader's
-// (sys_fence_after_wait). It costs ~4 us per exchange; AFDEP_DEBUG=8 drops it, to become the
-// default once the delayed-sender regression test passes without it.
+// Before one thread of the CTA signals peers that the CTA's data is written: the CTA meets,
+// and the signalling thread's fence.acq_rel.sys (in front of every signal) orders the whole
+// CTA's stores by cumulativity. AFDEP_DEBUG=8 adds a fence in every writer thread first (the
+// older form: ~4 us per exchange at T = 1, no case found that needs it; the stale reads once
+// blamed on this side were the reader's, see sys_fence_after_wait).
 __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
-  if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();
+  if (L.debug & kDbgThreadFence) fence_acq_rel_sys();
   __syncthreads();
 }
 

@@ -138,8 +138,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     } else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
-  if (!(L.debug & kDbgOneFence)) fence_acq_rel_sys();  // own stores first: see sys_fence_then_sync
-  __syncthreads();
+  sys_fence_then_sync(L);
   for (int ti = threadIdx.x; ti < ntg; ti += blockDim.x) {
     const int d = all_peers ? ti : L.rank_of_ffn[ti];
     fence_acq_rel_sys();
@@ -338,14 +337,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
-    const bool counts_done = L.early && !fused;
-    if (counts_done) publish_counts(L, n, false, s_cnt, s_ecnt, true);  // metadata fenced inside
+    // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
+    // receiver reads the choice from the count block's `ahead` word.
+    const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
+    if (ahead) publish_counts(L, n, false, s_cnt, s_ecnt, true);  // metadata fenced inside
     if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
-    if (!count_first && !counts_done) publish_counts(L, n, all_peers, s_cnt, s_ecnt, false);
-    if (L.early) {
+    if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, false);
+    if (ahead) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {
         fence_acq_rel_sys();
         st_release_sys(sig_slot(peer_base(L, L.rank_of_ffn[ti]), L.off_disp_done, L.W, L.S,
