@@ -61,6 +61,15 @@ def compile_body(rank, world):
     buf = Buffer(None, cfg, device="cpu")
     name = buf.group_name
     graphs = []
+    # The CUDA transport polls its error block through pybind11, which Dynamo cannot trace: an
+    # untraceable poll here too (the traced wrappers must skip it; the ops poll at run time).
+    polls = [0]
+    for t in buf.transports:
+        @torch.compiler.disable
+        def poll(orig=t.check_error):
+            polls[0] += 1
+            orig()
+        t.check_error = poll
 
     def recording_backend(gm, example_inputs):
         graphs.append(gm.code.strip())
@@ -94,7 +103,7 @@ def compile_body(rank, world):
             counts.append(((offs[1:] - offs[:-1]).tolist(),
                            ref.expert_counts(cfg, [ids])[0].tolist()))
     buf.close()
-    return {"graphs": graphs, "errors": errors, "counts": counts}
+    return {"graphs": graphs, "errors": errors, "counts": counts, "polls": polls[0]}
 
 
 from _exchange import _expect  # noqa: E402  (one helper for both body modules)

@@ -32,6 +32,9 @@ class TestOps(expecttest.TestCase):
         self.assertTrue(all(e < 1e-2 for e in attn["errors"]), attn["errors"])
         for got, want in ffn["counts"]:
             self.assertEqual(got, want)
+        # 3 compiled exchanges, 2 ops each: every op polled the device errors when it ran
+        self.assertGreaterEqual(attn["polls"], 6)
+        self.assertGreaterEqual(ffn["polls"], 6)
         self.assertExpectedInline(_normalize(attn["graphs"][0]), """\
 def forward(self, L_x_ : torch.Tensor, L_ids_ : torch.Tensor, L_w_ : torch.Tensor, G_state : torch.Tensor):
     l_x_ = L_x_

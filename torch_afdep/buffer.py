@@ -180,8 +180,9 @@ class Buffer:
         if self._broken is not None:
             raise AfdepStateError(
                 f"{what}: this Buffer is unusable after an earlier failure: {self._broken}")
-        for t in self.transports:
-            t.check_error()
+        if not _is_symbolic():  # traced: the ops poll at run time instead (ops._enter)
+            for t in self.transports:
+                t.check_error()
 
     def _require_role(self, role: str, what: str) -> None:
         self._require_open(what)

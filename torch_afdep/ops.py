@@ -79,6 +79,8 @@ def _enter(buf, slot: int, op: str):
     """The transport of ``slot`` once the slot's phase allows ``op`` (real kernels only; fake
     kernels never touch host state); ``_leave`` advances the phase after the op's work."""
     buf.config.check_slot(slot)
+    for t in buf.transports:  # a device error of an earlier (maybe compiled) call raises here
+        t.check_error()
     before = _TRANSITIONS[op][0]
     phase = buf._slot_phase[slot]
     if _CHECK_ORDER and phase != before:

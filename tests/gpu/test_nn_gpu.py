@@ -173,6 +173,7 @@ def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
     try:
         if role == "attention":
             xs = [_tokens(idx, 0, t).to(dev) for t in tokens]
+            routers = [w[0].to(dev) for w in weights]  # no host copies inside the capture
             record = []
 
             def step():
@@ -181,7 +182,7 @@ def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
                 saved = [None, None]
 
                 def send(layer, ub):
-                    router = weights[layer][0].to(dev)
+                    router = routers[layer]
                     hh = torch.tanh(h[ub]).bfloat16().float()  # stand-in attention
                     ids, w = topk_route(hh, router, K)
                     saved[ub] = (layer, hh, ids, w)
