@@ -100,6 +100,20 @@ def interleaved_body(rank, world, cfg_kw, rounds, seed0):
         buf.close()
 
 
+_DIRECTIONAL = ("AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS", "AFDEP_RECEIVER_WAIT_ONLY",
+                "AFDEP_ROLE_WARPS")
+
+
+def _lockstep() -> bool:
+    """True when a reverted control makes every rank wait for every other rank in each phase
+    (the symmetric union protocol): then both roles must issue the same phase sequence over the
+    slots, so a slot cannot be collected before an earlier one (docs/protocol.md)."""
+    from torch_afdep import controls
+
+    f = controls.flags()
+    return any(not f & controls.CONTROLS[n].bit for n in _DIRECTIONAL)
+
+
 def two_microbatch_graph_body(rank, world, cfg_kw, tokens, replays, seed0, use_graph=True):
     """One CUDA graph per rank holding a whole two-micro-batch layer step."""
     import torch_afdep
@@ -111,6 +125,7 @@ def two_microbatch_graph_body(rank, world, cfg_kw, tokens, replays, seed0, use_g
     role, idx = buf.role, buf.role_index
     bucket = cfg.capacity_tokens_per_rank
     use_graph = use_graph and dev.type == "cuda"
+    lockstep = _lockstep()
     checked = 0
     try:
         if role == "attention":
@@ -126,8 +141,12 @@ def two_microbatch_graph_body(rank, world, cfg_kw, tokens, replays, seed0, use_g
                                               x_scales=scs[0], slot=0)
                 r1 = torch_afdep.afd_dispatch(xs[1], ids[1], ws[1], group=name, bucket=bucket,
                                               x_scales=scs[1], slot=1)
-                o1 = torch_afdep.afd_combine(r1, group=name, slot=1)
-                o0 = torch_afdep.afd_combine(r0, group=name, slot=0)
+                if lockstep:  # every rank combines slot 0, then slot 1
+                    o0 = torch_afdep.afd_combine(r0, group=name, slot=0)
+                    o1 = torch_afdep.afd_combine(r1, group=name, slot=1)
+                else:  # role-aware: collect the later micro-batch first
+                    o1 = torch_afdep.afd_combine(r1, group=name, slot=1)
+                    o0 = torch_afdep.afd_combine(r0, group=name, slot=0)
                 return {0: (r0, o0), 1: (r1, o1)}
 
             res = step()  # eager warm-up, checked
@@ -163,14 +182,20 @@ def two_microbatch_graph_body(rank, world, cfg_kw, tokens, replays, seed0, use_g
                     checked += 1
         else:
             def step():
-                outs = {}
+                outs, recs = {}, {}
                 for s in (0, 1):
-                    rec = torch_afdep.afd_receive(group=name, bucket=bucket, slot=s)
-                    rows = gw.ffn_rows(cfg, idx, rec.x, rec.x_scales, rec.weights,
-                                       rec.expert_offsets)
-                    torch_afdep.afd_reply(rows, rec.receipt, group=name)
-                    outs[s] = rec.expert_offsets
+                    recs[s] = torch_afdep.afd_receive(group=name, bucket=bucket, slot=s)
+                    outs[s] = recs[s].expert_offsets
+                    if not lockstep:  # role-aware: answer each micro-batch as it arrives
+                        _reply(recs.pop(s))
+                for s in sorted(recs):  # lockstep: both receives, then both replies
+                    _reply(recs[s])
                 return outs
+
+            def _reply(rec):
+                rows = gw.ffn_rows(cfg, idx, rec.x, rec.x_scales, rec.weights,
+                                   rec.expert_offsets)
+                torch_afdep.afd_reply(rows, rec.receipt, group=name)
 
             def check(offsets, seed):
                 for s in (0, 1):
