@@ -7,20 +7,26 @@ import pytest
 from torch_afdep import controls
 
 
-def test_defaults_are_all_role_aware_and_symmetric_reverts_all():
-    assert controls.flags({}) == controls.ALL_ROLE_AWARE
+def test_defaults_are_role_aware_and_symmetric_reverts_all():
+    experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
+    assert experimental == ["AFDEP_SIZED_GRID"]  # off until measured on a GPU
+    assert controls.flags({}) == controls.DEFAULT
+    assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~controls.CONTROLS["AFDEP_SIZED_GRID"].bit
     assert controls.flags({"AFDEP_SYMMETRIC": "1"}) == 0
-    assert controls.flags({"AFDEP_SYMMETRIC": "0"}) == controls.ALL_ROLE_AWARE
+    assert controls.flags({"AFDEP_SYMMETRIC": "1", "AFDEP_SIZED_GRID": "1"}) == 0
+    assert controls.flags({"AFDEP_SYMMETRIC": "0"}) == controls.DEFAULT
+    assert controls.flags({"AFDEP_SIZED_GRID": "1"}) == controls.ALL_ROLE_AWARE
     bits = [c.bit for c in controls.CONTROLS.values()]
     assert len(set(bits)) == len(bits) and sum(bits) == controls.ALL_ROLE_AWARE
 
 
 @pytest.mark.parametrize("name", sorted(controls.CONTROLS))
-def test_each_control_reverts_only_its_bit(name):
-    mask = controls.flags({name: "0"})
-    assert mask == controls.ALL_ROLE_AWARE & ~controls.CONTROLS[name].bit
-    assert controls.describe(mask)[name] == 0
-    assert sum(controls.describe(mask).values()) == len(controls.CONTROLS) - 1
+def test_each_control_sets_only_its_bit(name):
+    bit = controls.CONTROLS[name].bit
+    off = controls.flags({name: "0"})
+    on = controls.flags({name: "1"})
+    assert off == controls.DEFAULT & ~bit and on == controls.DEFAULT | bit
+    assert controls.describe(off)[name] == 0 and controls.describe(on)[name] == 1
 
 
 def test_bad_value_names_the_variable():
@@ -35,7 +41,8 @@ def test_bits_match_the_cuda_extension():
              "AFDEP_ONE_WAY_COUNTS": "ONE_WAY_COUNTS",
              "AFDEP_RECEIVER_WAIT_ONLY": "RECEIVER_WAIT_ONLY",
              "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
-             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS"}
+             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS",
+             "AFDEP_SIZED_GRID": "SIZED_GRID"}
     assert set(names) == set(controls.CONTROLS)
     for env_name, attr in names.items():
         assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name

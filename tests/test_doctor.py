@@ -56,7 +56,7 @@ def test_text_sections(clean_env, capsys):
     assert row(out, "afdep c10d backend") == "registered"
     for name, c in controls.CONTROLS.items():
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
-        assert "-> 1" in line and c.description[:40] in line
+        assert f"-> {c.default}" in line and c.description[:40] in line
     assert "AFDEP_SYMMETRIC" in out and "NCCL_NVLS_ENABLE" in out
     assert "skipped (--no-selftest)" in out
     assert "OK: no problems found" in out
@@ -80,7 +80,7 @@ def test_json_keys(clean_env, capsys):
     env = d["environment"]
     assert set(env["controls"]) == set(controls.CONTROLS)
     for name, info in env["controls"].items():
-        assert info["value"] is None and info["effective"] == 1
+        assert info["value"] is None and info["effective"] == controls.CONTROLS[name].default
         assert info["meaning"] == controls.CONTROLS[name].description
     assert env["control_mode"] == "role-aware"
     assert env["multicast"]["NCCL_NVLS_ENABLE"]["value"] == "0"
@@ -160,7 +160,15 @@ def test_symmetric_and_reverted_controls_are_reported(clean_env, capsys):
     assert env["controls"]["AFDEP_SINGLE_FFN"] == {
         "value": "0", "default": 1, "effective": 0,
         "meaning": controls.CONTROLS["AFDEP_SINGLE_FFN"].description}
-    assert env["control_mode"] == "mixed: AFDEP_SINGLE_FFN reverted"
+    assert env["control_mode"] == "mixed: AFDEP_SINGLE_FFN=0 (defaults otherwise)"
+    clean_env.setenv("AFDEP_SIZED_GRID", "1")
+    rc, d = run_json(capsys)
+    assert d["environment"]["control_mode"] == (
+        "mixed: AFDEP_SINGLE_FFN=0, AFDEP_SIZED_GRID=1 (defaults otherwise)")
+    clean_env.delenv("AFDEP_SINGLE_FFN")
+    clean_env.delenv("AFDEP_SIZED_GRID")
+    rc, d = run_json(capsys)
+    assert d["environment"]["control_mode"] == "role-aware"
     clean_env.setenv("AFDEP_SYMMETRIC", "1")
     rc, d = run_json(capsys)
     assert rc == 0

@@ -56,12 +56,22 @@ CONTROLS: Dict[str, Control] = {
         "copying the payload (the "
         "FFN computes its offsets while the payload is in flight) and then a per-channel "
         "payload flag; needs the four directional controls; 0 = counts after the payload"),
+    "AFDEP_SIZED_GRID": Control(
+        1 << 8, 0,
+        "experimental, off by default until measured on a GPU: the wide local kernels run "
+        "their wide grid only from 32 tokens (FFN: A x bucket, Attention: T) and num_sms CTAs "
+        "below, and the FFN's last reply CTA stores the exchange number once per Attention "
+        "rank instead of every CTA adding 1; needs AFDEP_WIDE_LOCAL and the four directional "
+        "controls; 0 = fixed grids"),
 }
 
 #: Reverts every control above.
 SYMMETRIC = "AFDEP_SYMMETRIC"
 
 ALL_ROLE_AWARE = sum(c.bit for c in CONTROLS.values())
+
+#: The mask of an environment that sets no control (experimental changes stay off).
+DEFAULT = sum(c.bit for c in CONTROLS.values() if c.default)
 
 
 def _parse_bool(name: str, value: str) -> int:

@@ -294,9 +294,10 @@ def check_environment(rep: Report, env=None) -> None:
         for name, on in controls.describe(mask).items():
             ctl[name]["effective"] = on
         mode = ("symmetric (every control reverted)" if controls.is_symmetric(mask) else
-                "role-aware" if mask == controls.ALL_ROLE_AWARE else
-                "mixed: " + ", ".join(n for n, v in controls.describe(mask).items() if not v)
-                + " reverted")
+                "role-aware" if mask == controls.DEFAULT else
+                "mixed: " + ", ".join(
+                    f"{n}={v}" for n, v in controls.describe(mask).items()
+                    if v != controls.CONTROLS[n].default) + " (defaults otherwise)")
     else:
         mode = "invalid"
 

@@ -21,6 +21,8 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
   m.attr("WIDE_LOCAL") = (int)afdep::F_WIDE_LOCAL;
   m.attr("EARLY_COUNTS") = (int)afdep::F_EARLY_COUNTS;
+  m.attr("SIZED_GRID") = (int)afdep::F_SIZED_GRID;
+  m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;

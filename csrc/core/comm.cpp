@@ -81,6 +81,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.G = wide ? cfg.ffn_ctas : L.S;
   L.Ga = wide ? cfg.attn_ctas : L.S;
   L.early = (L.flags & kEarlyNeeds) == kEarlyNeeds ? 1 : 0;
+  L.sized = (L.flags & kSizedNeeds) == kSizedNeeds ? 1 : 0;
   L.Gmax = L.S;
   if (L.G > L.Gmax) L.Gmax = L.G;
   if (L.Ga > L.Gmax) L.Gmax = L.Ga;
@@ -89,10 +90,12 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (dispatch_smem_bytes(L) > 200 * 1024)
     throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
 
-  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | ffn [F] | attn [A]
+  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | arrive [4] u32 |
+  // ffn [F] | attn [A]
   const size_t o_peer = 0;
   const size_t o_ctr = o_peer + (size_t)L.W * 8;
-  const size_t o_ffn = o_ctr + (size_t)2 * L.Gmax * 8;
+  const size_t o_arr = o_ctr + (size_t)2 * L.Gmax * 8;
+  const size_t o_ffn = o_arr + 4 * 4;
   const size_t o_attn = o_ffn + (size_t)L.F * 4;
   const size_t ws_bytes = o_attn + (size_t)L.A * 4;
   check(cudaMalloc(&workspace_, ws_bytes), "cudaMalloc(workspace)");
@@ -102,6 +105,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   check(cudaMemcpy(ws + o_attn, attn.data(), attn.size() * 4, cudaMemcpyHostToDevice), "copy attn");
   L.peer_bases = reinterpret_cast<const uint64_t*>(ws + o_peer);
   L.counters = reinterpret_cast<uint64_t*>(ws + o_ctr);
+  L.arrive = reinterpret_cast<unsigned*>(ws + o_arr);
   L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
   L.rank_of_attn = reinterpret_cast<const int*>(ws + o_attn);
 
@@ -216,7 +220,8 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   a.out_token_rows = reinterpret_cast<int*>(token_rows);
   a.out_token_index = reinterpret_cast<int*>(token_index);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
-  check(launch_dispatch(L_, a, L_.G, reinterpret_cast<cudaStream_t>(stream)), "launch receive");
+  check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
+                        reinterpret_cast<cudaStream_t>(stream)), "launch receive");
 }
 
 void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
@@ -235,7 +240,8 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.bucket = bucket;
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
-  check(launch_combine(L_, a, L_.G, reinterpret_cast<cudaStream_t>(stream)), "launch reply");
+  check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
+                       reinterpret_cast<cudaStream_t>(stream)), "launch reply");
 }
 
 void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
@@ -262,7 +268,13 @@ void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, ui
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
   a.in_place = in_place ? 1 : 0;
-  check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream)), "launch combine");
+  check(launch_combine(L_, a, local_grid(T, L_.Ga), reinterpret_cast<cudaStream_t>(stream)),
+        "launch combine");
+}
+
+int Comm::local_grid(int tokens, int wide) const {
+  if (!L_.sized) return wide;  // fixed grids: the receivers count CTAs
+  return tokens >= kWideMinTokens ? wide : (wide < L_.S ? wide : L_.S);
 }
 
 uint64_t Comm::view_ptr() const {

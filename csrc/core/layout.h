@@ -16,8 +16,10 @@ enum ControlFlags : uint32_t {
   F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
   F_WIDE_LOCAL = 1u << 6,          // FFN receive/reply and Attention combine: one CTA per SM
   F_EARLY_COUNTS = 1u << 7,        // counts before the payload, then a per-channel payload flag
+  F_SIZED_GRID = 1u << 8,          // wide local grids only from kWideMinTokens tokens; the FFN's
+                                   // last reply CTA signals each receiver once (experimental)
 };
-constexpr uint32_t kAllRoleAware = 0xff;
+constexpr uint32_t kAllRoleAware = 0x1ff;  // every bit above (the Python default leaves bit 8 off)
 constexpr int kMaxAttn = 1024;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
@@ -27,6 +29,10 @@ constexpr int64_t kEarlyMinBytes = 32 * 1024;  // Attention ranks per group (com
 // controls are per channel, i.e. S CTAs on every rank).
 constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                 F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
+constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
+// Sized grids: a local kernel runs its wide grid from this many tokens (FFN: A x bucket,
+// Attention: T) and S CTAs below (2 x H200: S was faster at T <= 8, wide from T = 128).
+constexpr int kWideMinTokens = 32;
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                  F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 
@@ -80,6 +86,7 @@ struct Layout {
   int Ga;         // CTAs of the Attention's combine kernel (S unless F_WIDE_LOCAL)
   int Gmax;       // max(S, G, Ga): stride of the per-CTA counters
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
+  int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
@@ -100,7 +107,10 @@ struct Layout {
   const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
   const int* rank_of_ffn;      // [F]
   const int* rank_of_attn;     // [A]
-  uint64_t* counters;          // [2][max(S, G)] per-CTA exchange counters (device-local)
+  uint64_t* counters;          // [2][Gmax] per-CTA exchange counters (device-local); sized
+                               // grids use [phase][0] only
+  unsigned* arrive;            // [4] CTAs arrived per launch (sized grids): [phase] at the end,
+                               // [2] the reply's completion signal
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
   int debug;                   // AFDEP_DEBUG bits (diagnostics): see kDbg* below

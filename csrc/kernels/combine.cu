@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
-  const uint64_t n = L.counters[kPhaseCombine * L.Gmax + c] + 1;
+  const uint64_t n = launch_number(L, kPhaseCombine);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const bool all_peers = !(fl & F_ROLE_WARPS);
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
@@ -161,7 +161,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
     }
     sys_fence_then_sync(L);
-    if (rwo) {
+    if (rwo && L.sized) {
+      // The grid may differ per launch, so receivers cannot count CTAs: each CTA fences
+      // (covering its rows, after the bar.sync) and arrives on a device-local count; the
+      // last one fences again (acquiring the others' releases) and stores the exchange
+      // number once per receiver.
+      __shared__ int s_last;
+      if (tid == 0) {
+        fence_acq_rel_sys();
+        s_last = atomicAdd(L.arrive + 2, 1u) == gridDim.x - 1;
+        if (s_last) {
+          L.arrive[2] = 0;
+          fence_acq_rel_sys();
+        }
+      }
+      __syncthreads();
+      for (int ti = tid; s_last && ti < L.A; ti += blockDim.x)
+        st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
+                                                   L.off_comb_done) + L.rank, n);
+    } else if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
@@ -185,18 +203,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   if (a.do_recv) {
     if (rwo) {
       // every source's reply kernel ran G CTAs (S when the grid is not wide): n exchanges done
-      // when its count reaches n * G
+      // when its count reaches n * G; with sized grids its last CTA stores n
       const int nsrc = all_peers ? L.W : L.F;
+      const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
       bool ok = true;
       if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
         printf("afdep-dbg t %llu rank %d combine cta %d n %llu target %llu comb_done[ffn0] %llu\n",
-               (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n, (unsigned long long)(n * (uint64_t)L.G),
+               (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n, (unsigned long long)target,
                (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
                    mine + L.off_comb_done) + (all_peers ? 0 : L.rank_of_ffn[0])));
       for (int i = tid; i < nsrc && ok; i += blockDim.x) {
         const int sr = all_peers ? i : L.rank_of_ffn[i];
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr,
-                      n * (uint64_t)L.G, deadline, L.err, kPhaseCombine, sr, L.rank);
+                      target, deadline, L.err, kPhaseCombine, sr, L.rank);
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
@@ -224,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
   __syncthreads();
   trace_mark(L, kPhaseCombine, n, kTrEnd, kTrMaxEnd);
-  if (tid == 0) L.counters[kPhaseCombine * L.Gmax + c] = n;
+  end_launch(L, kPhaseCombine, n);
 }
 
 }  // namespace

@@ -189,6 +189,26 @@ __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
 // previous exchange's rows from the inbox (tests/gpu: AFDEP_TEST_REPLY_DELAY_MS repro).
 __device__ __forceinline__ void sys_fence_after_wait() { fence_acq_rel_sys(); }
 
+// ---- exchange numbers ----------------------------------------------------------------------
+// Exchange number of this launch. Fixed grids: every CTA counts its own launches. Sized grids
+// (the grid may change between launches): one count per phase, advanced by the last CTA.
+__device__ __forceinline__ uint64_t launch_number(const Layout& L, int phase) {
+  return L.counters[phase * L.Gmax + (L.sized ? 0 : blockIdx.x)] + 1;
+}
+
+// Record this launch's exchange number; thread 0, after the CTA's last use of it. With a
+// sized grid every CTA read the count at its start, before arriving here, so the last CTA to
+// arrive may advance it (the next launch on the stream starts after this one has finished).
+__device__ __forceinline__ void end_launch(const Layout& L, int phase, uint64_t n) {
+  if (threadIdx.x != 0) return;
+  if (!L.sized) {
+    L.counters[phase * L.Gmax + blockIdx.x] = n;
+  } else if (atomicAdd(L.arrive + phase, 1u) == gridDim.x - 1) {
+    L.arrive[phase] = 0;
+    L.counters[phase * L.Gmax] = n;
+  }
+}
+
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------
 // Called by every thread at a converged point; thread 0 of CTA 0 stamps `pt`, thread 0 of
 // every CTA folds its stamp into the "latest over CTAs" point `max_pt` (< 0: none).

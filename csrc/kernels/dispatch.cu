@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ __align__(16) int smem[];
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
-  const uint64_t n = L.counters[kPhaseDispatch * L.Gmax + c] + 1;
+  const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const bool all_peers = !(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS);
   const bool count_first = !(fl & F_ONE_WAY_COUNTS);
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 
   __syncthreads();
   trace_mark(L, kPhaseDispatch, n, kTrEnd, kTrMaxEnd);
-  if (tid == 0) L.counters[kPhaseDispatch * L.Gmax + c] = n;
+  end_launch(L, kPhaseDispatch, n);
 }
 
 }  // namespace

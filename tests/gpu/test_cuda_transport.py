@@ -21,6 +21,7 @@ from torch_afdep.testing import spawn_world  # noqa: E402
 
 BASE_ENV = gw.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
+SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 
 # layout name -> (F, A, device of each group rank, num_experts)
 LAYOUTS = {
@@ -98,8 +99,10 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 
 @pytest.mark.parametrize("delay,env", [
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM)],
-    ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric"])
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
+    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED)],
+    ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
+         "reply-sized_grid"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -132,6 +135,26 @@ def test_each_control_reverted_alone(control, layout):
     protocol is a real code path: the symmetric arm is all of them at once)."""
     kw = cfg_kw(layout, 128, 2048, "float8_e4m3fn" if layout == "3A1F" else "bfloat16")
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], 128), env={control: "0"}, seed=11)
+
+
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+                         + [("2A2F", 128, 4096, "bfloat16")])
+def test_sized_grid_eager(layout, cap, hidden, dtype):
+    """AFDEP_SIZED_GRID=1: the plan's exchanges switch the FFN's kernels between S CTAs (bucket
+    8) and the wide grid, and the Attention's combine by its T (0, 1, 7 narrow; 128, bucket
+    wide), so the per-phase exchange number and the reply's one-signal completion are
+    exercised across grid changes."""
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=SIZED, seed=5)
+
+
+@pytest.mark.parametrize("bucket,tokens", [(8, 7), (128, 1), (128, 128)],
+                         ids=["narrow-both", "wide-ffn-narrow-attention", "wide-both"])
+def test_sized_grid_graph_replays(bucket, tokens):
+    kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
+    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 6000, device_ids=[0, 1],
+                             env={**BASE_ENV, **SIZED}, timeout=600)
+    assert all(r == 100 for r in res)
 
 
 def test_route_errors_reported_and_skipped():
