@@ -2,7 +2,8 @@
 
 Every control but the experimental ``AFDEP_SIZED_GRID`` defaults to 1 (the role-aware change
 is on); setting it to 0 reverts that one change, and ``AFDEP_SYMMETRIC=1`` reverts all of them
-at once, so the same kernels run the symmetric union protocol the benchmarks compare against. docs/protocol.md describes each.
+at once, so the same kernels run the symmetric union protocol the benchmarks compare against.
+docs/protocol.md describes each.
 All ranks of a group must agree (checked when a CUDA transport is created).
 """
 
