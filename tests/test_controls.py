@@ -9,13 +9,14 @@ from torch_afdep import controls
 
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
-    assert experimental == ["AFDEP_SIZED_GRID"]  # off until measured on a GPU
+    assert experimental == ["AFDEP_SIZED_GRID", "AFDEP_STREAM_EXPANSION"]  # until measured
     assert controls.flags({}) == controls.DEFAULT
-    assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~controls.CONTROLS["AFDEP_SIZED_GRID"].bit
+    assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(
+        controls.CONTROLS[n].bit for n in experimental)
     assert controls.flags({"AFDEP_SYMMETRIC": "1"}) == 0
     assert controls.flags({"AFDEP_SYMMETRIC": "1", "AFDEP_SIZED_GRID": "1"}) == 0
     assert controls.flags({"AFDEP_SYMMETRIC": "0"}) == controls.DEFAULT
-    assert controls.flags({"AFDEP_SIZED_GRID": "1"}) == controls.ALL_ROLE_AWARE
+    assert controls.flags({n: "1" for n in experimental}) == controls.ALL_ROLE_AWARE
     bits = [c.bit for c in controls.CONTROLS.values()]
     assert len(set(bits)) == len(bits) and sum(bits) == controls.ALL_ROLE_AWARE
 
@@ -42,7 +43,7 @@ def test_bits_match_the_cuda_extension():
              "AFDEP_RECEIVER_WAIT_ONLY": "RECEIVER_WAIT_ONLY",
              "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
              "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS",
-             "AFDEP_SIZED_GRID": "SIZED_GRID"}
+             "AFDEP_SIZED_GRID": "SIZED_GRID", "AFDEP_STREAM_EXPANSION": "STREAM_EXPANSION"}
     assert set(names) == set(controls.CONTROLS)
     for env_name, attr in names.items():
         assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name

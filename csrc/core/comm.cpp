@@ -82,6 +82,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.Ga = wide ? cfg.attn_ctas : L.S;
   L.early = (L.flags & kEarlyNeeds) == kEarlyNeeds ? 1 : 0;
   L.sized = (L.flags & kSizedNeeds) == kSizedNeeds ? 1 : 0;
+  L.stream = (L.flags & kStreamNeeds) == kStreamNeeds ? 1 : 0;
   L.Gmax = L.S;
   if (L.G > L.Gmax) L.Gmax = L.G;
   if (L.Ga > L.Gmax) L.Gmax = L.Ga;

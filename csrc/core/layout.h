@@ -18,8 +18,11 @@ enum ControlFlags : uint32_t {
   F_EARLY_COUNTS = 1u << 7,        // counts before the payload, then a per-channel payload flag
   F_SIZED_GRID = 1u << 8,          // wide local grids only from kWideMinTokens tokens; the FFN's
                                    // last reply CTA signals each receiver once (experimental)
+  F_STREAM_EXPANSION = 1u << 9,    // counts ahead at any T, then one flag per row: the FFN expands
+                                   // each row as it lands (experimental)
 };
-constexpr uint32_t kAllRoleAware = 0x1ff;  // every bit above (the Python default leaves bit 8 off)
+// every bit above (the Python defaults leave the experimental bits 8 and 9 off)
+constexpr uint32_t kAllRoleAware = 0x3ff;
 constexpr int kMaxAttn = 1024;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
@@ -35,6 +38,7 @@ constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
 constexpr int kWideMinTokens = 32;
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                  F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
+constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
 // benchmarks of record)
@@ -87,6 +91,7 @@ struct Layout {
   int Gmax;       // max(S, G, Ga): stride of the per-CTA counters
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
   int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
+  int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
@@ -101,6 +106,7 @@ struct Layout {
   int64_t off_exit;             // u64 [2][W][S]
   int64_t off_data;             // start of the data area
   int64_t off_payload, off_scales, off_meta;  // dispatch inbox arrays (FFN, or union)
+  int64_t off_rowflag;          // u64 per dispatch slot: its row written (streamed expansion)
   int64_t off_comb;             // combine inbox [nsrc_c][C][H] bf16 (Attention, or union)
   int64_t signal_bytes, dispatch_bytes, combine_bytes, window_bytes;
   // device pointers
@@ -142,6 +148,10 @@ inline void compute_offsets(Layout& L) {
   L.off_payload = d;  d += round_up(dslots * L.row_bytes, 256);
   L.off_scales = d;   d += round_up(dslots * L.scale_cols * 4, 256);
   L.off_meta = d;     d += round_up(dslots * L.meta_ints * 4, 256);
+  L.off_rowflag = 0;
+  if (L.flags & F_STREAM_EXPANSION) {
+    L.off_rowflag = d;  d += round_up(dslots * 8, 256);
+  }
   L.dispatch_bytes = d - L.off_data;
   // combine inbox (shares the data area's start: one role uses one of the two)
   L.off_comb = L.off_data;

@@ -109,6 +109,28 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int 
   }
 }
 
+// Streamed expansion: one warp per (token, FFN) row, each row followed by its own flag, so the
+// FFN expands it without waiting for the rest of the channel. The flag store by lane 0 comes
+// after __syncwarp and a system fence, which order the whole warp's row stores before it.
+__device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo, int ntok,
+                                  const int* s_slot, int src_idx, int c, uint64_t n) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nv = L.row_bytes / 16;
+  for (int u = warp; u < ntok * L.F; u += kWarps) {
+    const int i = u / L.F, fd = u % L.F;
+    const int slot = s_slot[i * L.F + fd];
+    if (slot < 0) continue;
+    copy_row(L, a, lo + i, fd, slot, src_idx, c, 0, nv, lane);
+    __syncwarp();
+    if (lane == 0) {
+      const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+      fence_acq_rel_sys();
+      st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_ffn[fd]) +
+                                                 L.off_rowflag) + gslot, n);
+    }
+  }
+}
+
 // Write this CTA's counts into the count block (rank, c) of each target, then release seq.
 // ahead: the payload follows (early counts): the receiver must wait for the region's payload
 // flag before reading it; else the counts imply the payload.
@@ -165,6 +187,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
   int* s_ready = s_rb + nreg + 1;   // [nreg] early counts: region's payload seen complete
   int* s_ahead = s_ready + nreg;     // [nreg] 1: region's counts came before its payload
+  int* s_maxj = s_ahead + nreg;      // [1] streamed expansion: most tokens in one region
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
     for (int i = tid; i < nreg * q4; i += blockDim.x) {
@@ -196,6 +219,12 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     }
     s_off[e] = run;
   }
+  if (L.stream && warp == kWarps - 1) {  // s_rb still holds counts (the scan comes next)
+    int m = 0;
+    for (int g = lane; g < nreg; g += 32) m = max(m, s_rb[g]);
+    m = __reduce_max_sync(0xffffffffu, m);
+    if (lane == 0) *s_maxj = m;
+  }
   __syncthreads();
   if (warp == 0) warp_exclusive_scan(s_off, El, lane);
   if (warp == 1) warp_exclusive_scan(s_rb, nreg, lane);
@@ -215,10 +244,22 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   const int nch = chunks_per_row(items, nw, nv);
   const int cv = (nv + nch - 1) / nch;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
-  for (int u = gw; u < items * nch; u += nw) {
+  // Streamed expansion visits (slot, region) slot-major, the order in which rows land (every
+  // channel sends its slots in turn); otherwise region-major, without gaps.
+  const int units = L.stream ? *s_maxj * nreg * L.R : items;
+  for (int u = gw; u < units * nch; u += nw) {
     const int h = u % nch, it = u / nch;
-    const int r = it % L.R, q = it / L.R;
-    const int g = upper_index(s_rb, nreg, q);
+    const int r = it % L.R;
+    int q, g;
+    if (L.stream) {
+      const int gj = it / L.R;
+      g = gj % nreg;
+      q = s_rb[g] + gj / nreg;
+      if (q >= s_rb[g + 1]) continue;  // region g holds fewer tokens
+    } else {
+      q = it / L.R;
+      g = upper_index(s_rb, nreg, q);
+    }
     const int ai = g / L.S, ch = g % L.S, j = q - s_rb[g];
     const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
     if (s >= a.bucket) {
@@ -252,7 +293,14 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       }
     }
     if (row < 0) continue;
-    if (L.early && s_ahead[g]) {  // counts came before the payload: wait for its flag
+    if (L.early && s_ahead[g] && L.stream) {  // counts came first: wait for this row's flag
+      int ok = 1;
+      if (lane == 0)
+        ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_rowflag) + gslot, n,
+                      deadline, L.err, kPhaseDispatch, sr, L.rank);
+      if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+      sys_fence_after_wait();
+    } else if (L.early && s_ahead[g]) {  // counts came before the payload: wait for its flag
       int ok = 1;
       if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
         ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
@@ -325,7 +373,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // other warps' claims). Few tokens: claim all, then spread the rows over every warp; with
     // early counts the counts go out between the two, so the receiver computes its offsets
     // while the payload is in flight, and a per-channel flag marks the payload complete.
-    const bool fused = hi - lo >= kWarps;
+    // Streamed expansion claims every token first at any T (counts ahead, then flagged rows).
+    const bool fused = hi - lo >= kWarps && !L.stream;
     const int lane = tid & 31, nv = L.row_bytes / 16;
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
@@ -341,12 +390,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // receiver reads the choice from the count block's `ahead` word.
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
     if (ahead) publish_counts(L, n, false, s_cnt, s_ecnt, true);  // metadata fenced inside
-    if (!fused) {
+    const bool row_flags = ahead && L.stream;  // else one payload flag per channel
+    if (row_flags) {
+      copy_rows_flagged(L, a, lo, hi - lo, s_slot, src_idx, c, n);
+      __syncthreads();
+    } else if (!fused) {
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
     if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, false);
-    if (ahead) {
+    if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {
         fence_acq_rel_sys();
         st_release_sys(sig_slot(peer_base(L, L.rank_of_ffn[ti]), L.off_disp_done, L.W, L.S,
@@ -393,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 size_t dispatch_smem_bytes(const Layout& L) {
   const size_t send = ((size_t)L.F + L.E + (size_t)L.slots * L.F) * 4;
   const size_t nreg = (size_t)L.A * L.S;
-  const size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 1) * 4;
+  const size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 2) * 4;
   return send > recv ? send : recv;
 }
 

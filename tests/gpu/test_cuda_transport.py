@@ -22,6 +22,7 @@ from torch_afdep.testing import spawn_world  # noqa: E402
 BASE_ENV = gw.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
+STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # experimental: per-row flags, expansion as rows land
 
 # layout name -> (F, A, device of each group rank, num_experts)
 LAYOUTS = {
@@ -100,9 +101,9 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 @pytest.mark.parametrize("delay,env", [
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
-    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED)],
+    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
-         "reply-sized_grid"])
+         "reply-sized_grid", "dispatch-stream_expansion"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -154,6 +155,26 @@ def test_sized_grid_graph_replays(bucket, tokens):
     kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
     res = gw.spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 6000, device_ids=[0, 1],
                              env={**BASE_ENV, **SIZED}, timeout=600)
+    assert all(r == 100 for r in res)
+
+
+@pytest.mark.parametrize("env", [STREAM, {**STREAM, **SIZED}], ids=["stream", "stream+sized"])
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+                         + [("2A2F", 2048, 2048, "float8_e4m3fn")])
+def test_stream_expansion_eager(layout, cap, hidden, dtype, env):
+    """AFDEP_STREAM_EXPANSION=1: channels with >= 32 KB claim every token first and flag each
+    row; the FFN expands rows slot-major as they land. The plan's T = bucket = 2048 cells take
+    that path with 86 tokens per channel, T = 128 with 6, T <= 7 the ordinary one."""
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=7)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_stream_expansion_graph_replays(dtype):
+    # T = 512 over 24 channels: 22 tokens (88 KB) per channel, the claim-all + row-flag path
+    kw = cfg_kw("1A1F", 512, 2048, dtype)
+    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 512, [512], 100, 7000, device_ids=[0, 1],
+                             env={**BASE_ENV, **STREAM}, timeout=600)
     assert all(r == 100 for r in res)
 
 
