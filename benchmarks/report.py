@@ -324,6 +324,8 @@ def markdown(doc: Dict[str, Any]) -> str:
     afdep_how = [f"transport {ev.get('AFDEP_TRANSPORT', 'ipc')}"]
     if a.get("zero_copy"):
         afdep_how.append("zero-copy collect where one FFN rank")
+    if a.get("afdep_env"):
+        afdep_how.append("afdep arm with " + " ".join(a["afdep_env"]))
     if ev.get("AFDEP_DEBUG", "0") not in ("", "0"):
         afdep_how.append(f"AFDEP_DEBUG={ev['AFDEP_DEBUG']} (diagnostic setting: not a result "
                          "of record)")

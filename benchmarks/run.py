@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-copy", action="store_true",
                    help="afdep arms collect with source_collect(zero_copy=True) in layouts "
                         "with one FFN rank (a view of the receive buffer, no copy)")
+    g.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="protocol controls for the afdep arm only, e.g. AFDEP_SIZED_GRID=1: "
+                        "an experimental change against the symmetric and NCCL arms in one "
+                        "run (the symmetric arm stays fully reverted)")
     g.add_argument("--arms", nargs="+", choices=ARMS, default=None,
                    help="arms to run (default all four)")
     g.add_argument("--experts", type=int, default=DEFAULTS["experts"])
@@ -159,6 +163,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _parse_afdep_env(p: argparse.ArgumentParser, items: List[str]) -> Dict[str, str]:
+    from torch_afdep import controls
+
+    out: Dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in controls.CONTROLS or value not in ("0", "1"):
+            p.error(f"--afdep-env takes NAME=0|1 with NAME one of {sorted(controls.CONTROLS)}, "
+                    f"got {item!r}")
+        out[name] = value
+    return out
+
+
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -170,6 +187,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--queue-ahead-us must be in [0, 10000]")
     if args.warmup < 0 or args.eager_steps < 1:
         p.error("--warmup must be >= 0 and --eager-steps >= 1")
+    args.afdep_env_vars = _parse_afdep_env(p, args.afdep_env)
     bad = [t for t in args.tokens if t < 1 or t > args.capacity]
     if bad:
         p.error(f"--tokens must be in [1, --capacity={args.capacity}], got {bad}")
@@ -450,6 +468,8 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "inject": parse_inject(os.environ.get("AFDEP_BENCH_INJECT", ""))}
     env = dict(BASE_ENV)
     env.update(ARM_ENV[arm])
+    if arm == "afdep":
+        env.update(args.afdep_env_vars)
     result: Dict[str, Any] = {}
 
     def target():

@@ -59,7 +59,10 @@ def test_layouts_accepted_by_the_cli():
                                   ["--layout", "1A3F"],  # 128 experts over 3 FFN ranks
                                   ["--tokens", "4096"], ["--tokens", "0"],
                                   ["--hidden", "1000"], ["--repeats", "0"],
-                                  ["--dtype", "fp16"], ["--arms", "deepep"]])
+                                  ["--dtype", "fp16"], ["--arms", "deepep"],
+                                  ["--afdep-env", "AFDEP_BOGUS=1"],
+                                  ["--afdep-env", "AFDEP_SIZED_GRID=2"],
+                                  ["--afdep-env", "AFDEP_SIZED_GRID"]])
 def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run.parse_args(argv)
@@ -510,3 +513,22 @@ def test_cpu_smoke_zero_copy(tmp_path):
     for r in d["results"]:
         assert r["status"] == "ok", r
         assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
+
+
+def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
+    """--afdep-env sets a control in the afdep arm's processes (recorded per world from the
+    children's own parse of the environment); the symmetric arm stays fully reverted."""
+    from torch_afdep import controls
+
+    p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "1", "--replays", "2",
+                 "--warmup", "1", "--arms", "afdep", "symmetric", "--hidden", "256",
+                 "--afdep-env", "AFDEP_SIZED_GRID=1", "--kernel-timeout", "10",
+                 "--out-dir", str(tmp_path), "--name", "ab", "--no-plot", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.load(open(tmp_path / "ab.json"))
+    assert d["args"]["afdep_env"] == ["AFDEP_SIZED_GRID=1"]
+    flags = {w["arm"]: w["afdep_flags"] for w in d["worlds"]}
+    assert flags == {"afdep": controls.DEFAULT | controls.CONTROLS["AFDEP_SIZED_GRID"].bit,
+                     "symmetric": 0}
+    md = open(tmp_path / "ab.md").read()
+    assert "- afdep arms: transport ipc, afdep arm with AFDEP_SIZED_GRID=1" in md
