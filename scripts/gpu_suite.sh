@@ -8,7 +8,8 @@
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
-#      PACK=1 (pack $OUT into one bundle.tgz at the end).
+#      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
+#      outside tests/gpu; always in full mode).
 set -u -o pipefail
 MODE="${1:-full}"
 OUT="${OUT:-$PWD/gpu_out}"
@@ -74,6 +75,15 @@ stamp "pytest -k '$K'" | tee "$OUT/tests.log"
 timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
   --durations=15 >>"$OUT/tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/tests.log"
+# GPU tests that live beside CPU tests (marked gpu: the c10d backend's NCCL inner, DTensor
+# experts on 2 GPUs, the doctor's CUDA self-test); full mode, or MARKED=1
+if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then
+  stamp "pytest tests -m gpu (outside tests/gpu)" | tee "$OUT/tests-marked.log"
+  timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest tests -m gpu --ignore=tests/gpu -v \
+    -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
+  echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
+  tail -8 "$OUT/tests-marked.log"
+fi
 if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS
   echo quit | nvidia-cuda-mps-control; trap - EXIT
   unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

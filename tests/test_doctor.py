@@ -298,6 +298,7 @@ def _cuda_ready():
     return doctor.cuda_extension()[0] is not None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA GPU and torch_afdep._cuda")
 def test_cuda_selftest_on_gpus(clean_env):
     res = doctor.run_selftest("cuda")
