@@ -477,6 +477,7 @@ def _run_cell(rk: _Rank, cell_obj: _Cell, spec: Dict[str, Any], rec: Dict[str, A
 def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
     import torch_afdep
 
+    rtt = _flag_rtt(rk) if rk.cuda and spec.get("flag_probe", True) else None
     for (hidden, dtype), cells in groups:
         cfg = rk.config(hidden, dtype)
         info: Dict[str, Any] = {}
@@ -491,7 +492,8 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
                     # CTAs of the FFN's receive/reply and the Attention's combine kernels
                     # (senders use spec["sms"])
                     "ffn_grid": getattr(t, "ffn_grid", None),
-                    "attn_grid": getattr(t, "attn_grid", None)}
+                    "attn_grid": getattr(t, "attn_grid", None),
+                    "flag_rtt_us": rtt}
         except Exception as e:  # noqa: BLE001
             err = _err(e)
         err = rk.agree(err)
@@ -519,6 +521,37 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
             if not rk.aborted:
                 buf.close()  # collective; after an abort the peers' state is unknown, so
                 #              the buffer is left to process exit
+
+
+def _flag_rtt(rk: _Rank) -> Optional[float]:
+    """Flag round trip between the first Attention and the first FFN rank (the latency term
+    of the data-movement floor), on a small buffer of its own so a failure here cannot touch
+    the measured one. Collective (every rank creates and closes the buffer); µs on the first
+    Attention rank, None elsewhere, or where it fails (logged)."""
+    import torch_afdep
+    from torch_afdep.config import Config
+
+    a0 = rk.att_ranks[0]
+    f0 = next(r for r, role in enumerate(rk.roles) if role == "ffn")
+    cfg = Config(capacity_tokens_per_rank=8, hidden_size=128, num_experts=rk.spec["experts"],
+                 top_k=rk.spec["top_k"], ffn_ranks=rk.F, attention_ranks=rk.A,
+                 num_sms=1, timeout_s=float(rk.spec["kernel_timeout_s"]), num_slots=1)
+    out, err = None, None
+    buf = torch_afdep.Buffer(None, cfg, device=rk.device)
+    try:
+        t = buf.transport
+        if rk.rank in (a0, f0) and hasattr(t, "flag_round_trip_us"):
+            peer = f0 if rk.rank == a0 else a0
+            out = t.flag_round_trip_us(peer, initiator=rk.rank == a0)
+    except Exception as e:  # noqa: BLE001
+        err = _err(e)
+        rk.write({"kind": "probe_error", "error": err})
+    finally:
+        try:
+            buf.close()
+        except Exception as e:  # noqa: BLE001
+            rk.write({"kind": "probe_error", "error": _err(e)})
+    return out
 
 
 def _close_quietly(buf) -> None:

@@ -68,11 +68,25 @@ def link_bytes(reach: Dict[int, Sequence[int]], attention_ranks: Sequence[int],
 
 def floor_us(dispatch_bytes: int, combine_bytes: int, ceiling_gbps: Optional[float]
              ) -> Optional[float]:
-    """Time to move the busiest link's bytes each way at the peer-copy ceiling (no latency
-    term: the flag round trip is not measured)."""
+    """Time to move the busiest link's bytes each way at the peer-copy ceiling (the data
+    term; ``add_flag_floor`` adds the measured flag round trip)."""
     if not ceiling_gbps or (dispatch_bytes + combine_bytes) == 0:
         return None
     return (dispatch_bytes + combine_bytes) / (ceiling_gbps * 1e9) * 1e6
+
+
+def add_flag_floor(rows: List[Dict[str, Any]]) -> None:
+    """Every row with a data floor gets ``floor_with_flag_us``: plus the flag round trip
+    measured in its layout's afdep worlds (median over them; one dispatch signal and one
+    combine signal cross the link per exchange)."""
+    rtt: Dict[str, List[float]] = {}
+    for r in rows:
+        if r.get("flag_rtt_us") is not None:
+            rtt.setdefault(r["layout"], []).append(r["flag_rtt_us"])
+    for r in rows:
+        f = rtt.get(r["layout"])
+        if f and r.get("floor_us") is not None:
+            r["floor_with_flag_us"] = r["floor_us"] + stats.median(f)
 
 
 def achieved_gbps(dispatch_bytes: int, combine_bytes: int, latency_us: Optional[float]
@@ -188,6 +202,9 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                     "sms": plan["sms"] if arm in ("afdep", "symmetric") else None,
                 }
                 reach = extra.pop("reach", {})
+                rtts = extra.pop("flag_rtt_runs", None)
+                if rtts:
+                    row["flag_rtt_us"] = stats.median(rtts)
                 if arm == "nccl_bare":
                     d_row = dispatch_row_bytes(cell["hidden"], cell["dtype"])
                     d_row -= 4 * (cell["hidden"] // 128) if cell["dtype"] == "fp8" else 0
@@ -213,6 +230,7 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                             "pairs": len(stats.paired_ratios(a, b))}
                     comps.append(comp)
                     by_arm[a_arm][f"vs_{b_arm}_pct"] = pct
+    add_flag_floor(rows)
     return rows, comps
 
 
@@ -231,6 +249,8 @@ def _collect_extra(extra: Dict[str, Any], recs: Dict[int, Optional[Dict]], roles
             extra.setdefault("union_bytes", rec["union_bytes"])
         if rec.get("flags") is not None:
             extra.setdefault("afdep_flags", rec["flags"])
+        if rec.get("flag_rtt_us") is not None:  # measured once per world (initiator only)
+            extra.setdefault("flag_rtt_runs", []).append(rec["flag_rtt_us"])
         for k in ("eager_rel_err", "graph_rel_err"):
             if rec.get(k) is not None:
                 extra[f"max_{k}"] = max(extra.get(f"max_{k}", 0.0), rec[k])
@@ -341,8 +361,12 @@ def markdown(doc: Dict[str, Any]) -> str:
         lines.append("- Peer-copy ceiling (cudaMemcpy D2D, "
                      f"{_fmt_bytes(probe.get('peer_copy_bytes'))}): "
                      + ", ".join(f"{k}: {v:,.1f} GB/s" for k, v in pc.items())
-                     + f"; floor = busiest link's bytes each way / {ceil:,.1f} GB/s, "
-                     "no flag round-trip term (not measured from Python).")
+                     + f"; floor = busiest link's bytes each way / {ceil:,.1f} GB/s"
+                     + (", plus the flag round trip measured by a one-thread ping-pong kernel "
+                        "between the first Attention and the first FFN rank ("
+                        + ", ".join(f"{lay} {v:.2f} µs" for lay, v in _rtts(rows).items())
+                        + ", median over afdep worlds)." if _rtts(rows) else
+                        "; no flag round-trip term (not measured in this run)."))
     else:
         lines.append("- Peer-copy ceiling: not measured (fewer than 2 GPUs), so no floor.")
     lines.append("")
@@ -398,6 +422,9 @@ def markdown(doc: Dict[str, Any]) -> str:
         if any(ref.get(t, {}).get("floor_us") is not None for t in ts):
             lines.append("| data floor at ceiling, µs | " + " | ".join(
                 _fmt_us(ref.get(t, {}).get("floor_us")) for t in ts) + " |")
+            if any(ref.get(t, {}).get("floor_with_flag_us") is not None for t in ts):
+                lines.append("| floor + flag round trip, µs | " + " | ".join(
+                    _fmt_us(ref.get(t, {}).get("floor_with_flag_us")) for t in ts) + " |")
             for arm in ("afdep", "nccl"):
                 if arm in arms:
                     lines.append(f"| {arm} achieved GB/s | " + " | ".join(
@@ -415,6 +442,14 @@ def markdown(doc: Dict[str, Any]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def _rtts(rows: List[Dict[str, Any]]) -> Dict[str, float]:
+    out: Dict[str, List[float]] = {}
+    for r in rows:
+        if r.get("flag_rtt_us") is not None:
+            out.setdefault(r["layout"], []).append(r["flag_rtt_us"])
+    return {k: stats.median(v) for k, v in out.items()}
 
 
 def present_arms(rows: List[Dict[str, Any]]) -> List[str]:

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-copy", action="store_true",
                    help="afdep arms collect with source_collect(zero_copy=True) in layouts "
                         "with one FFN rank (a view of the receive buffer, no copy)")
+    g.add_argument("--no-flag-probe", action="store_true",
+                   help="skip the flag round-trip probe of the afdep worlds (the floor's "
+                        "latency term)")
     g.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
                    help="protocol controls for the afdep arm only, e.g. AFDEP_SIZED_GRID=1: "
                         "an experimental change against the symmetric and NCCL arms in one "
@@ -464,6 +467,7 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "queue_ahead_us": 0.0 if args.cpu_smoke else args.queue_ahead_us,
             "eager_arms": list(args.eager_arms),
             "zero_copy": bool(args.zero_copy),
+            "flag_probe": not args.no_flag_probe,
             "device": "cpu" if args.cpu_smoke else "cuda",
             "inject": parse_inject(os.environ.get("AFDEP_BENCH_INJECT", ""))}
     env = dict(BASE_ENV)
@@ -649,8 +653,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     work_dir = tempfile.mkdtemp(prefix="afdep-bench-")
     notes = ["The data floor counts payload bytes only (FP8 scales included, ids/weights and "
              "protocol metadata not) on the busiest GPU-to-GPU link, each way at the "
-             "measured peer-copy ceiling, with no flag/latency term: a flag round trip needs "
-             "a spinning kernel, not measurable from plain Python, so it is left out.",
+             "measured peer-copy ceiling. 'floor + flag round trip' adds the round trip of "
+             "a flag between the first Attention and the first FFN rank, measured in each "
+             "afdep world by a one-thread ping-pong kernel over the same windows (CUDA "
+             "only; 1,000 round trips after 100 warm-up ones).",
              "bucket = T in every cell; the FFN 'expert' is a BF16 cast of the received rows "
              "(the identity for BF16 payloads) in every arm.",
              "nccl_bare moves T x H elements of the payload dtype per pair in dispatch "

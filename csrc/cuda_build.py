@@ -23,6 +23,7 @@ SOURCES = [
     "csrc/core/transport_nccl.cu",
     "csrc/kernels/dispatch.cu",
     "csrc/kernels/combine.cu",
+    "csrc/kernels/probe.cu",
 ]
 
 

@@ -259,6 +259,33 @@ def test_json_schema_fields(tmp_path):
     assert reg and reg[0]["ffn_vs_union"] == 0.75 and reg[0]["attention_vs_union"] == 0.25
 
 
+def test_flag_round_trip_completes_every_floor_of_its_layout(tmp_path):
+    """The afdep worlds' measured flag round trip (first Attention rank's records, one per
+    repeat) is added to the data floor of every arm's rows and named in the Markdown."""
+    raw, plan = _synthetic()
+    for w in raw:
+        if w["arm"] == "afdep":
+            for cell in w["ranks"][1]["cells"].values():
+                cell["flag_rtt_us"] = 1.0 + w["repeat"]  # 1.0, 2.0, 3.0 -> median 2.0
+    rows, _ = report.aggregate(raw, plan, ceiling_gbps=400.0)
+    for r in rows:
+        if r["arm"] == "afdep":
+            assert r["flag_rtt_us"] == 2.0
+        assert abs(r["floor_with_flag_us"] - (r["floor_us"] + 2.0)) < 1e-9, r["arm"]
+    args = vars(run.parse_args(["--layout", "2A2F"]))
+    probe = {"peer_copy_GBps": {"0->1": 390.0}, "peer_copy_ceiling_GBps": 390.0,
+             "peer_copy_bytes": 2**30}
+    doc = run.build_doc(raw, plan, probe, {"name": "m"}, args, datetime.datetime.now(),
+                        time.monotonic(), [], {}, final=True, complete=True)
+    md = report.markdown(doc)
+    assert "plus the flag round trip" in md and "2A1F 2.00 µs" in md
+    assert "| floor + flag round trip, µs |" in md
+    # without a measurement the floor stays the data term and says so
+    raw, plan = _synthetic()
+    rows, _ = report.aggregate(raw, plan, ceiling_gbps=400.0)
+    assert all("floor_with_flag_us" not in r for r in rows)
+
+
 def test_markdown_tables(tmp_path):
     doc = _doc(tmp_path)
     path = str(tmp_path / "x.md")

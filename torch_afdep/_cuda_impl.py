@@ -18,7 +18,7 @@ from . import controls
 from .config import FFN, Config
 from .errors import AfdepRouteError, AfdepTimeoutError
 
-_PHASES = {0: "dispatch", 1: "combine"}
+_PHASES = {0: "dispatch", 1: "combine", 2: "flag round-trip probe"}
 _ROUTE_KINDS = {
     0: "expert id outside [-1, num_experts)",
     1: "more local entries for one FFN rank than rows_per_token (duplicated ids)",
@@ -202,6 +202,24 @@ class CudaTransport:
                          _ptr(num_tokens), _stream(self.device))
 
     # ---- diagnostics ------------------------------------------------------------------
+    def flag_round_trip_us(self, peer: int, initiator: bool, iters: int = 1000,
+                           warmup: int = 100):
+        """Probe: ``iters`` flag round trips between this rank and group rank ``peer``, one
+        thread per side spinning on its window (the latency term of a data-movement floor).
+        Both ranks call it at the same time, the one with ``initiator=True`` timing it.
+        Returns µs per round trip on the initiator, None on the responder. Synchronizes the
+        device: outside timed regions only."""
+        stream = torch.cuda.current_stream(self.device)
+        self._comm.ping(int(peer), int(warmup), bool(initiator), stream.cuda_stream)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self._comm.ping(int(peer), int(iters), bool(initiator), stream.cuda_stream)
+        end.record(stream)
+        end.synchronize()
+        self.check_error()
+        return start.elapsed_time(end) * 1000.0 / iters if initiator else None
+
     def trace(self):
         """Stage stamps of the last exchanges when the process runs with ``AFDEP_TRACE=1``
         (else None): ``(stamps, counters)`` with ``stamps`` an int64 tensor [ring, 2 phases,

@@ -86,6 +86,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def("combine", &Comm::combine, py::call_guard<py::gil_scoped_release>())
       .def("combine_in_place", &Comm::combine_in_place, py::call_guard<py::gil_scoped_release>())
       .def("view_ptr", &Comm::view_ptr)
+      .def("ping", &Comm::ping, py::call_guard<py::gil_scoped_release>())
       .def("poll_error",
            [](Comm& c, bool clear) {
              auto e = c.poll_error(clear);

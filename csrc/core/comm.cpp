@@ -278,6 +278,16 @@ int Comm::local_grid(int tokens, int wide) const {
   return tokens >= kWideMinTokens ? wide : (wide < L_.S ? wide : L_.S);
 }
 
+void Comm::ping(int peer, int iters, bool initiator, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(peer >= 0 && peer < L_.W && peer != L_.rank, "ping: peer must be another group rank");
+  need(iters >= 1 && iters <= 1000000, "ping: iters must be in [1, 1000000]");
+  DeviceGuard g(device_);
+  check(launch_ping(L_, peer, iters, ping_base_, initiator ? 1 : 0,
+                    reinterpret_cast<cudaStream_t>(stream)), "launch ping");
+  ping_base_ += (uint64_t)iters;
+}
+
 uint64_t Comm::view_ptr() const {
   need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
   need(!L_.is_ffn && L_.F == 1, "the combine view exists on Attention ranks with one FFN rank");

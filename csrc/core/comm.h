@@ -63,6 +63,9 @@ class Comm {
   void combine_in_place(uint64_t route, int T, uint64_t stream);
   // Address of this Attention rank's combine inbox row 0 of the single FFN source ([C, H] bf16).
   uint64_t view_ptr() const;
+  // Probe: `iters` flag round trips with group rank `peer`, who calls it with initiator
+  // false (the same iters, in the same order of calls); time it on the initiator's stream.
+  void ping(int peer, int iters, bool initiator, uint64_t stream);
   ErrorInfo poll_error(bool clear);
   // AFDEP_TRACE=1 only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
   // phases (synchronizes the device; empty when tracing is off).
@@ -77,6 +80,7 @@ class Comm {
   int local_grid(int tokens, int wide) const;
 
   Layout L_{};
+  uint64_t ping_base_ = 0;  // ping values used so far (they only grow)
   int device_;
   int64_t union_bytes_ = 0;
   std::unique_ptr<Transport> transport_;

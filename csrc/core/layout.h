@@ -49,7 +49,7 @@ enum DebugBits : int {
                         // thread's one fence after bar.sync covers the CTA's stores)
 };
 
-enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1 };
+enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 
 // Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
 // kTraceRing exchanges, [ring][phase][point]. Points 0-3 are CTA 0's; 4-6 the latest over CTAs.
@@ -104,6 +104,7 @@ struct Layout {
   int64_t off_comb_done;        // u64 [W]: CTAs of source rank's reply kernels done, summed
   int64_t off_entry;            // u64 [2][W][S]
   int64_t off_exit;             // u64 [2][W][S]
+  int64_t off_ping;             // u64: flag ping-pong word (probe.cu: the flag round trip)
   int64_t off_data;             // start of the data area
   int64_t off_payload, off_scales, off_meta;  // dispatch inbox arrays (FFN, or union)
   int64_t off_rowflag;          // u64 per dispatch slot: its row written (streamed expansion)
@@ -139,6 +140,7 @@ inline void compute_offsets(Layout& L) {
   L.off_comb_done = o;  o += (int64_t)L.W * 8;
   L.off_entry = o;      o += 2 * ws * 8;
   L.off_exit = o;       o += 2 * ws * 8;
+  L.off_ping = o;       o += 8;
   o = round_up(o, 256);
   L.signal_bytes = o;
   L.off_data = o;

@@ -233,6 +233,21 @@ def _transport(cfg, rank):
                          dist.group.WORLD)
 
 
+def flag_round_trip_body(rank, world, cfg_kw, calls):
+    """The flag ping-pong probe between group ranks 0 and 1 (the benchmarks' floor term),
+    ``calls`` times in a row (the ping values keep growing across calls); then one exchange
+    on the same transport still checks exactly."""
+    cfg = make_config(cfg_kw)
+    t = _transport(cfg, rank)
+    try:
+        out = [t.flag_round_trip_us(1 - rank, initiator=rank == 0, iters=200, warmup=20)
+               for _ in range(calls)]
+        t.check_error()
+        return out
+    finally:
+        t.close()
+
+
 def _delay_cycles(name):
     ms = float(os.environ.get(name, "0") or 0)
     return int(ms * 2e6)  # about 2 GHz SM clock: a rough delay is enough

@@ -178,6 +178,16 @@ def test_stream_expansion_graph_replays(dtype):
     assert all(r == 100 for r in res)
 
 
+def test_flag_round_trip_probe():
+    """benchmarks.run's floor term: the initiator gets a plausible round trip per call (an
+    NVLink flag crosses and returns in about 1.4 µs on these machines), the responder None."""
+    kw = cfg_kw("1A1F", 8, 128)
+    init, resp = gw.spawn_gpu_world(gw.flag_round_trip_body, 2, kw, 3, device_ids=[0, 1],
+                                    env=BASE_ENV, timeout=300)
+    assert resp == [None, None, None]
+    assert all(0.2 < v < 100.0 for v in init), init
+
+
 def test_route_errors_reported_and_skipped():
     kw = cfg_kw("1A1F", 128, 2048)
     stats = run("1A1F", kw, [(128, [7], "random"), (128, [128], "partial")], bad_ids=True)
