@@ -537,7 +537,11 @@ def _flag_rtt(rk: _Rank) -> Optional[float]:
                  top_k=rk.spec["top_k"], ffn_ranks=rk.F, attention_ranks=rk.A,
                  num_sms=1, timeout_s=float(rk.spec["kernel_timeout_s"]), num_slots=1)
     out, err = None, None
-    buf = torch_afdep.Buffer(None, cfg, device=rk.device)
+    try:  # collective: a bad config raises the same error on every rank
+        buf = torch_afdep.Buffer(None, cfg, device=rk.device)
+    except Exception as e:  # noqa: BLE001
+        rk.write({"kind": "probe_error", "error": _err(e)})
+        return None
     try:
         t = buf.transport
         if rk.rank in (a0, f0) and hasattr(t, "flag_round_trip_us"):

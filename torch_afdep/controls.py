@@ -54,9 +54,9 @@ CONTROLS: Dict[str, Control] = {
     "AFDEP_EARLY_COUNTS": Control(
         1 << 7, 1,
         "a sender CTA with few tokens (but >= 32 KB of payload) publishes its counts before "
-        "copying the payload (the "
-        "FFN computes its offsets while the payload is in flight) and then a per-channel "
-        "payload flag; needs the four directional controls; 0 = counts after the payload"),
+        "copying the payload (the FFN computes its offsets while the payload is in flight) "
+        "and then a per-channel payload flag; needs the four directional controls; 0 = counts "
+        "after the payload"),
     "AFDEP_SIZED_GRID": Control(
         1 << 8, 0,
         "experimental, off by default until measured on a GPU: the wide local kernels run "
