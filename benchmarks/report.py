@@ -79,14 +79,19 @@ def add_flag_floor(rows: List[Dict[str, Any]]) -> None:
     """Every row with a data floor gets ``floor_with_flag_us``: plus the flag round trip
     measured in its layout's afdep worlds (median over them; one dispatch signal and one
     combine signal cross the link per exchange)."""
-    rtt: Dict[str, List[float]] = {}
+    rtt = _rtts(rows)
+    for r in rows:
+        if r["layout"] in rtt and r.get("floor_us") is not None:
+            r["floor_with_flag_us"] = r["floor_us"] + rtt[r["layout"]]
+
+
+def _rtts(rows: List[Dict[str, Any]]) -> Dict[str, float]:
+    """Per layout, the median of its rows' measured flag round trips."""
+    out: Dict[str, List[float]] = {}
     for r in rows:
         if r.get("flag_rtt_us") is not None:
-            rtt.setdefault(r["layout"], []).append(r["flag_rtt_us"])
-    for r in rows:
-        f = rtt.get(r["layout"])
-        if f and r.get("floor_us") is not None:
-            r["floor_with_flag_us"] = r["floor_us"] + stats.median(f)
+            out.setdefault(r["layout"], []).append(r["flag_rtt_us"])
+    return {k: stats.median(v) for k, v in out.items()}
 
 
 def achieved_gbps(dispatch_bytes: int, combine_bytes: int, latency_us: Optional[float]
@@ -357,6 +362,7 @@ def markdown(doc: Dict[str, Any]) -> str:
                  "ratios, (wins/pairs) in parentheses.")
     ceil = probe.get("peer_copy_ceiling_GBps")
     pc = probe.get("peer_copy_GBps") or {}
+    rtt = _rtts(rows)
     if pc:
         lines.append("- Peer-copy ceiling (cudaMemcpy D2D, "
                      f"{_fmt_bytes(probe.get('peer_copy_bytes'))}): "
@@ -364,8 +370,8 @@ def markdown(doc: Dict[str, Any]) -> str:
                      + f"; floor = busiest link's bytes each way / {ceil:,.1f} GB/s"
                      + (", plus the flag round trip measured by a one-thread ping-pong kernel "
                         "between the first Attention and the first FFN rank ("
-                        + ", ".join(f"{lay} {v:.2f} µs" for lay, v in _rtts(rows).items())
-                        + ", median over afdep worlds)." if _rtts(rows) else
+                        + ", ".join(f"{lay} {v:.2f} µs" for lay, v in rtt.items())
+                        + ", median over afdep worlds)." if rtt else
                         "; no flag round-trip term (not measured in this run)."))
     else:
         lines.append("- Peer-copy ceiling: not measured (fewer than 2 GPUs), so no floor.")
@@ -442,14 +448,6 @@ def markdown(doc: Dict[str, Any]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
-
-
-def _rtts(rows: List[Dict[str, Any]]) -> Dict[str, float]:
-    out: Dict[str, List[float]] = {}
-    for r in rows:
-        if r.get("flag_rtt_us") is not None:
-            out.setdefault(r["layout"], []).append(r["flag_rtt_us"])
-    return {k: stats.median(v) for k, v in out.items()}
 
 
 def present_arms(rows: List[Dict[str, Any]]) -> List[str]:
