@@ -1,7 +1,6 @@
 """Environment controls of the CUDA protocol: one registry, parsed once into a bit mask.
 
-Every control but the experimental ``AFDEP_SIZED_GRID`` and ``AFDEP_STREAM_EXPANSION``
-defaults to 1 (the role-aware change is on); setting it to 0 reverts that one change, and
+Every control but the experimental ``AFDEP_SIZED_GRID`` defaults to 1 (the role-aware change is on); setting it to 0 reverts that one change, and
 ``AFDEP_SYMMETRIC=1`` reverts all of them at once, so the same kernels run the symmetric union
 protocol the benchmarks compare against. docs/protocol.md describes each. All ranks of a
 group must agree (checked when a CUDA transport is created).
@@ -65,12 +64,12 @@ CONTROLS: Dict[str, Control] = {
         "rank instead of every CTA adding 1; needs AFDEP_WIDE_LOCAL and the four directional "
         "controls; 0 = fixed grids"),
     "AFDEP_STREAM_EXPANSION": Control(
-        1 << 9, 0,
-        "experimental, off by default until measured on a GPU: sender CTAs with >= 32 KB of "
-        "payload publish their counts first at any T, then send each row with its own flag, "
-        "and the FFN expands every row as soon as it lands (slot-major), overlapping the "
-        "expansion with the transfer; needs AFDEP_EARLY_COUNTS and the four directional "
-        "controls; 0 = one payload flag per channel, and large-T channels send counts last"),
+        1 << 9, 1,
+        "sender CTAs with >= 48 tokens (and >= 32 KB) publish their counts first, then send "
+        "each row with its own flag, and the FFN expands every row as soon as it lands "
+        "(slot-major), overlapping the expansion with the transfer at large T; needs "
+        "AFDEP_EARLY_COUNTS and the four directional controls; 0 = one payload flag per "
+        "channel, and large-T channels send counts last"),
 }
 
 #: Reverts every control above.

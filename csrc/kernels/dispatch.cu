@@ -9,6 +9,8 @@ namespace afdep {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
+// The count block's `ahead` word: how the receiver learns that a region's payload is complete.
+enum Ahead : int { kAheadNone = 0, kAheadChannel = 1, kAheadRows = 2 };
 
 // Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
 // k expert ids; duplicated ids count once (first occurrence); for each reached FFN rank one
@@ -132,10 +134,10 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo
 }
 
 // Write this CTA's counts into the count block (rank, c) of each target, then release seq.
-// ahead: the payload follows (early counts): the receiver must wait for the region's payload
-// flag before reading it; else the counts imply the payload.
+// ahead (early counts: the payload follows): kAheadNone, the counts imply the payload;
+// kAheadChannel, wait for the region's payload flag; kAheadRows, wait for each row's flag.
 __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, const int* s_cnt,
-                               const int* s_ecnt, bool ahead) {
+                               const int* s_ecnt, int ahead) {
   const int c = blockIdx.x;
   const int ntg = all_peers ? L.W : L.F;
   const int per = L.El + 1;
@@ -156,7 +158,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     if (f >= 0) v = (e == 0) ? s_cnt[f] : s_ecnt[(size_t)f * L.El + (e - 1)];
     if (e == 0) {
       *reinterpret_cast<int*>(blk + 8) = v;
-      *reinterpret_cast<int*>(blk + 12) = ahead ? 1 : 0;
+      *reinterpret_cast<int*>(blk + 12) = ahead;
     } else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
@@ -186,7 +188,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
   int* s_ready = s_rb + nreg + 1;   // [nreg] early counts: region's payload seen complete
-  int* s_ahead = s_ready + nreg;     // [nreg] 1: region's counts came before its payload
+  int* s_ahead = s_ready + nreg;     // [nreg] kAhead*: how the region's payload is flagged
   int* s_maxj = s_ahead + nreg;      // [1] streamed expansion: most tokens in one region
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
@@ -220,10 +222,14 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     s_off[e] = run;
   }
   if (L.stream && warp == kWarps - 1) {  // s_rb still holds counts (the scan comes next)
-    int m = 0;
-    for (int g = lane; g < nreg; g += 32) m = max(m, s_rb[g]);
+    int m = 0, rows = 0;
+    for (int g = lane; g < nreg; g += 32) {
+      m = max(m, s_rb[g]);
+      rows |= s_ahead[g] == kAheadRows;
+    }
     m = __reduce_max_sync(0xffffffffu, m);
-    if (lane == 0) *s_maxj = m;
+    rows = __any_sync(0xffffffffu, rows);
+    if (lane == 0) *s_maxj = rows ? m : -1;  // -1: no row flags in this exchange
   }
   __syncthreads();
   if (warp == 0) warp_exclusive_scan(s_off, El, lane);
@@ -244,14 +250,15 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   const int nch = chunks_per_row(items, nw, nv);
   const int cv = (nv + nch - 1) / nch;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
-  // Streamed expansion visits (slot, region) slot-major, the order in which rows land (every
+  // With row flags, visit (slot, region) slot-major, the order in which rows land (every
   // channel sends its slots in turn); otherwise region-major, without gaps.
-  const int units = L.stream ? *s_maxj * nreg * L.R : items;
+  const bool slot_major = L.stream && *s_maxj >= 0;
+  const int units = slot_major ? *s_maxj * nreg * L.R : items;
   for (int u = gw; u < units * nch; u += nw) {
     const int h = u % nch, it = u / nch;
     const int r = it % L.R;
     int q, g;
-    if (L.stream) {
+    if (slot_major) {
       const int gj = it / L.R;
       g = gj % nreg;
       q = s_rb[g] + gj / nreg;
@@ -293,14 +300,14 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       }
     }
     if (row < 0) continue;
-    if (L.early && s_ahead[g] && L.stream) {  // counts came first: wait for this row's flag
+    if (L.early && s_ahead[g] == kAheadRows) {  // counts came first: wait for this row's flag
       int ok = 1;
       if (lane == 0)
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_rowflag) + gslot, n,
                       deadline, L.err, kPhaseDispatch, sr, L.rank);
       if (!__shfl_sync(0xffffffffu, ok, 0)) return;
       sys_fence_after_wait();
-    } else if (L.early && s_ahead[g]) {  // counts came before the payload: wait for its flag
+    } else if (L.early && s_ahead[g] == kAheadChannel) {  // wait for the region's payload flag
       int ok = 1;
       if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
         ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
@@ -358,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       for (int t = lo + warp; t < hi; t += kWarps)
         claim_token(L, a, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
       __syncthreads();
-      publish_counts(L, n, true, s_cnt, s_ecnt, false);
+      publish_counts(L, n, true, s_cnt, s_ecnt, kAheadNone);
       // everyone spins until every rank's counts arrived
       bool ok = true;
       for (int i = tid; i < L.W * L.S && ok; i += blockDim.x)
@@ -373,8 +380,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // other warps' claims). Few tokens: claim all, then spread the rows over every warp; with
     // early counts the counts go out between the two, so the receiver computes its offsets
     // while the payload is in flight, and a per-channel flag marks the payload complete.
-    // Streamed expansion claims every token first at any T (counts ahead, then flagged rows).
-    const bool fused = hi - lo >= kWarps && !L.stream;
+    // Streamed expansion: CTAs with many tokens claim them all first (counts ahead, then
+    // flagged rows); few tokens gain nothing from row flags (a fence per row).
+    const bool stream = L.stream && hi - lo >= kStreamMinTokens;
+    const bool fused = hi - lo >= kWarps && !stream;
     const int lane = tid & 31, nv = L.row_bytes / 16;
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
@@ -389,8 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
     // receiver reads the choice from the count block's `ahead` word.
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
-    if (ahead) publish_counts(L, n, false, s_cnt, s_ecnt, true);  // metadata fenced inside
-    const bool row_flags = ahead && L.stream;  // else one payload flag per channel
+    const bool row_flags = ahead && stream;  // else one payload flag per channel
+    if (ahead)  // metadata fenced inside
+      publish_counts(L, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel);
     if (row_flags) {
       copy_rows_flagged(L, a, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
@@ -398,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
-    if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, false);
+    if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, kAheadNone);
     if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {
         fence_acq_rel_sys();

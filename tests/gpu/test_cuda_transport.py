@@ -22,7 +22,7 @@ from torch_afdep.testing import spawn_world  # noqa: E402
 BASE_ENV = gw.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
-STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # experimental: per-row flags, expansion as rows land
+STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
 
 # layout name -> (F, A, device of each group rank, num_experts)
 LAYOUTS = {
@@ -127,6 +127,8 @@ def test_zero_copy_collect(env):
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS"]
+# AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
+# test_stream_expansion_eager reverts it at T = 2048
 
 
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F", "3A1F"])
@@ -158,22 +160,26 @@ def test_sized_grid_graph_replays(bucket, tokens):
     assert all(r == 100 for r in res)
 
 
-@pytest.mark.parametrize("env", [STREAM, {**STREAM, **SIZED}], ids=["stream", "stream+sized"])
+@pytest.mark.parametrize("env", [{**STREAM, **SIZED}, {"AFDEP_STREAM_EXPANSION": "0"}],
+                         ids=["stream+sized", "reverted"])
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 2048, 2048, "float8_e4m3fn")])
 def test_stream_expansion_eager(layout, cap, hidden, dtype, env):
-    """AFDEP_STREAM_EXPANSION=1: channels with >= 32 KB claim every token first and flag each
-    row; the FFN expands rows slot-major as they land. The plan's T = bucket = 2048 cells take
-    that path with 86 tokens per channel, T = 128 with 6, T <= 7 the ordinary one."""
+    """AFDEP_STREAM_EXPANSION (default 1; test_eager_role_aware runs it alone, this with the
+    sized grid and reverted): sender CTAs with >= 48 tokens (and >= 32 KB) claim every
+    token first and flag each row; the FFN expands rows slot-major as they land. The plan's
+    T = bucket = 2048 cells take that path (86 tokens per channel), T = 128 the one-flag early
+    path (6 per channel), T <= 7 the plain one; in 2A2F one exchange mixes them."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=7)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_stream_expansion_graph_replays(dtype):
-    # T = 512 over 24 channels: 22 tokens (88 KB) per channel, the claim-all + row-flag path
-    kw = cfg_kw("1A1F", 512, 2048, dtype)
-    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 512, [512], 100, 7000, device_ids=[0, 1],
+    # T = 1180 over 24 channels: 50 tokens per channel (row flags) and 30 in the last (one
+    # payload flag), so each replay mixes both completion forms in one region table
+    kw = cfg_kw("1A1F", 2048, 2048, dtype)
+    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 2048, [1180], 100, 7000, device_ids=[0, 1],
                              env={**BASE_ENV, **STREAM}, timeout=600)
     assert all(r == 100 for r in res)
 
