@@ -29,18 +29,25 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 } 2>&1 | tee "$OUT/env.log"
 
 # ---- build -----------------------------------------------------------------------------
+# BUILD=cuda-only builds torch_afdep._cuda in place, plus the c10d backend (torch_afdep._C)
+# when the gpu-marked tests outside tests/gpu run (they need it)
+if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then export WITH_BACKEND=1; fi
 stamp "build: pip install --no-build-isolation --no-deps -e . (BUILD=${BUILD:-pip})" | tee "$OUT/build.log"
 if [ "${BUILD:-pip}" = "skip" ]; then
   stamp "build skipped (BUILD=skip)" | tee -a "$OUT/build.log"
 elif [ "${BUILD:-pip}" = "cuda-only" ] || ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
-  stamp "pip install failed; building torch_afdep._cuda alone in place" | tee -a "$OUT/build.log"
+  stamp "BUILD=cuda-only or pip install failed: building the extensions in place" | tee -a "$OUT/build.log"
   $PY - >>"$OUT/build.log" 2>&1 <<'PYEOF'
 import os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "csrc"))
 from cuda_build import make_cuda_extension
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension
-setup(name="torch_afdep_cuda_only", ext_modules=[make_cuda_extension(os.getcwd(), None)],
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+exts = [make_cuda_extension(os.getcwd(), None)]
+if os.environ.get("WITH_BACKEND") == "1":  # the c10d backend too (the gpu-marked tests need it)
+    exts.append(CppExtension("torch_afdep._C", ["csrc/bindings/c10d_backend.cpp"],
+                             extra_compile_args={"cxx": ["-O2", "-std=c++17"]}))
+setup(name="torch_afdep_cuda_only", ext_modules=exts,
       cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
       script_args=["build_ext", "--inplace"])
 PYEOF
@@ -79,7 +86,8 @@ echo "pytest rc=$?" | tee -a "$OUT/tests.log"
 # experts on 2 GPUs, the doctor's CUDA self-test); full mode, or MARKED=1
 if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then
   stamp "pytest tests -m gpu (outside tests/gpu)" | tee "$OUT/tests-marked.log"
-  timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest tests -m gpu --ignore=tests/gpu -v \
+  # only the files that hold gpu-marked tests (others may need test-only packages, e.g. expecttest)
+  timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest $(grep -l "mark.gpu" tests/*.py) -m gpu -v \
     -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
   echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
   tail -8 "$OUT/tests-marked.log"
