@@ -634,3 +634,9 @@ def faults_world(rank, world, outdir):
 
 def kill_attention_world(rank, world, outdir):
     return run_parts(rank, world, outdir, ["kill_attention"])
+
+
+def sleeping_body(rank, ws, seconds):
+    """Sleeps past AFDEP_WORLD_STACKS_S, so the rank's stack dump fires."""
+    time.sleep(seconds)
+    return rank

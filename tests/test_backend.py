@@ -333,10 +333,13 @@ def _nccl_body(rank, ws, port):
     out = torch.empty(2, device=dev, dtype=torch.int64)
     dist.all_to_all_single(out, torch.tensor([rank * 10, rank * 10 + 1], device=dev))
     assert out.tolist() == [rank, 10 + rank]
+    # unbatched NCCL p2p runs in issue order on one stream: if both ranks sent first, each
+    # send kernel would wait for a receive queued behind the peer's send (run 19 hung here)
     got = torch.empty(3, device=dev)
-    for r in [dist.isend(torch.full((3,), rank + 5.0, device=dev), other),
-              dist.irecv(got, other)]:
-        r.wait()
+    ops = [lambda: dist.isend(torch.full((3,), rank + 5.0, device=dev), other),
+           lambda: dist.irecv(got, other)]
+    for op in (ops if rank == 0 else ops[::-1]):
+        op().wait()
     assert got.tolist() == [other + 5.0] * 3
     # batched p2p: coalesced by NCCL for CUDA tensors, run on gloo for CPU tensors
     for device in (dev, torch.device("cpu")):

@@ -150,3 +150,12 @@ def test_next_exchange_after_errors_is_exact(faults):
     for r in o_attn["exact"]:
         assert r["exact"] and r["rel"] < 1e-2, r
     assert o_ffn["errors"] and o_attn["errors"]
+
+
+def test_world_stack_dump_names_where_a_rank_waits(capfd):
+    """AFDEP_WORLD_STACKS_S: each rank of a spawned world prints its stack when it is still
+    running after N seconds (how run 19 found a hung NCCL test)."""
+    out = spawn_world(fb.sleeping_body, 2, 3.0, env={"AFDEP_WORLD_STACKS_S": "0.5"}, timeout=60)
+    assert out == [0, 1]
+    err = capfd.readouterr().err
+    assert err.count("Timeout (0:00:00") == 2 and "in sleeping_body" in err, err[-2000:]

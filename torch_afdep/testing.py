@@ -4,7 +4,9 @@
 default process group in each (a FileStore, so no port is needed), calls
 ``fn(rank, world_size, *args)`` and returns the per-rank return values. An exception on any
 rank is re-raised in the parent with that rank's traceback; a rank that does not finish in
-``timeout`` seconds fails the call (all ranks are killed).
+``timeout`` seconds fails the call (all ranks are killed). With ``AFDEP_WORLD_STACKS_S=N`` in
+the environment, every rank prints its threads' Python stacks to stderr after N seconds (where
+a hung rank is stuck).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def load_rank_record(outdir: str, rank: int, missing: Any = FileNotFoundError) -
 
 def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids, env):
     os.environ.update(env)
+    if os.environ.get("AFDEP_WORLD_STACKS_S"):  # diagnostics: where a hung rank is stuck
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["AFDEP_WORLD_STACKS_S"]), exit=False)
     try:
         import torch
         import torch.distributed as dist
