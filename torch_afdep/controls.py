@@ -58,7 +58,8 @@ CONTROLS: Dict[str, Control] = {
         "after the payload"),
     "AFDEP_SIZED_GRID": Control(
         1 << 8, 0,
-        "experimental, off by default until measured on a GPU: the wide local kernels run "
+        "experimental, off by default (2 x H200: passes its tests, measured no gain): the "
+        "wide local kernels run "
         "their wide grid only from 32 tokens (FFN: A x bucket, Attention: T) and num_sms CTAs "
         "below, and the FFN's last reply CTA stores the exchange number once per Attention "
         "rank instead of every CTA adding 1; needs AFDEP_WIDE_LOCAL and the four directional "
