@@ -184,7 +184,8 @@ def _spin(seconds: float) -> None:
 
 
 def _time_graph(rk: _Rank, graph, warmup: int, replays: int, fail_at: int = -1,
-                attention_delay_s: float = 0.0, queue_ahead_us: float = 0.0) -> List[float]:
+                attention_delay_s: float = 0.0, queue_ahead_us: float = 0.0,
+                around=None) -> List[float]:
     """Replay ``graph`` warmup + replays times, ranks aligned before each; returns the timed
     replays in µs on Attention ranks (empty on FFN ranks).
 
@@ -194,6 +195,10 @@ def _time_graph(rk: _Rank, graph, warmup: int, replays: int, fail_at: int = -1,
     ``queue_ahead_us`` > 0 first enqueues a sleep kernel of about that long on Attention
     ranks, so the start event and the graph are both queued before the GPU reaches them (the
     host's graph-launch time is then not measured).
+
+    ``around`` = (after_start, before_end): callables of the timed replay's index, run on
+    Attention ranks right after the start event and right before the end event
+    (benchmarks.trace stamps the stream there).
 
     A rank that fails says so in the next alignment, so every rank leaves the loop at the
     same replay (and the following agreement pairs up) instead of waiting for a timeout."""
@@ -214,10 +219,14 @@ def _time_graph(rk: _Rank, graph, warmup: int, replays: int, fail_at: int = -1,
                 if queue_ahead_us > 0:
                     torch.cuda._sleep(int(queue_ahead_us * 2000))  # ~2 GHz clock
                 starts[j].record()
+                if around:
+                    around[0](j)
             t0 = time.perf_counter()
             graph.replay()
             if j >= 0:
                 if timed:
+                    if around:
+                        around[1](j)
                     ends[j].record()
                 elif not rk.cuda:  # CPU smoke mode: wall clock, the numbers mean nothing
                     wall.append((time.perf_counter() - t0) * 1e6)

@@ -1,6 +1,7 @@
 """Where the round trip's time goes: per-stage medians from the kernels' %globaltimer trace.
 
     python -m benchmarks.trace [--tokens 1 128 2048] [--hidden 4096] [--arms afdep symmetric]
+                               [--repeats N] [--afdep-env NAME=VALUE ...]
 
 Runs 1A1F on two GPUs (fresh processes per arm, ``AFDEP_TRACE=1``), the same graph step and
 alignment as ``benchmarks.run``'s afdep arm, then reads every rank's trace ring (the last 64
@@ -8,6 +9,13 @@ exchanges) and prints, per token count, median stage times in µs. Stages on one
 stages that cross GPUs (marked ``x``) assume the two GPUs' %globaltimer agree, which the
 ``x clock check`` line lets you judge (a flag crossing should take ~1 µs, never < 0).
 Diagnostics only: the stamps cost a few ns per CTA and the numbers are not the benchmark's.
+
+The Attention's stream also gets a one-thread %globaltimer stamp kernel right after the start
+event and right before the end event, so the time outside the kernels (graph launch, kernel
+start, completion) is split into "start stamp -> dispatch start" and "combine end -> end
+stamp"; those two kernels add a few µs to the event latency here. ``--repeats`` runs fresh
+process groups per arm (slow and fast worlds differ at small T), and every stage reports its
+median, 90th percentile and maximum over the replays.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,10 +51,18 @@ STAGES = [
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: ca[MAX_END] - ca[WAITED], False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: ca[MAX_END] - da[START], False),
 ]
+#: stages of the Attention stream's stamps st = (after the start event, before the end event)
+STAMP_STAGES = [
+    ("A stream: start stamp -> dispatch start", lambda st, da, ca: da[START] - st[0]),
+    ("A stream: combine end -> end stamp", lambda st, da, ca: st[1] - ca[MAX_END]),
+]
+OUTSIDE = "A event latency - kernels total"
 
 
 def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch_afdep
+
+    from torch_afdep import _cuda
 
     rk = arms._Rank(rank, world, spec)
     out: Dict[str, Any] = {"rows": []}
@@ -65,14 +81,19 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 c.step()
             torch.cuda.synchronize()
+            st = torch.zeros(spec["replays"], 2, dtype=torch.int64, device=rk.device)
+            stream = torch.cuda.current_stream().cuda_stream
+            around = (lambda j: _cuda.stamp(st.data_ptr() + 16 * j, stream),
+                      lambda j: _cuda.stamp(st.data_ptr() + 16 * j + 8, stream))
             lat = arms._time_graph(rk, graph, spec["warmup"], spec["replays"], -1,
-                                   spec["attention_delay_us"] * 1e-6, spec["queue_ahead_us"])
+                                   spec["attention_delay_us"] * 1e-6, spec["queue_ahead_us"],
+                                   around=around)
             buf.transport.check_error()
             stamps, ctr = buf.transport.trace()
             got: List[Any] = [None] * world
             dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr), group=rk.ctrl)
             if rk.is_attention:
-                out["rows"].append(summarize(T, got, lat, spec["replays"]))
+                out["rows"].append(summarize(T, got, lat, spec["replays"], st.tolist()))
             del graph
             c.release()
     finally:
@@ -80,20 +101,58 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def summarize(T: int, got, lat: List[float], replays: int) -> Dict[str, Any]:
+def _spread(v: List[float]) -> Dict[str, float]:
+    v = sorted(v)
+    return {"median": statistics.median(v), "p90": v[min(len(v) - 1, int(0.9 * len(v)))],
+            "max": v[-1]}
+
+
+def summarize(T: int, got, lat: List[float], replays: int,
+              st: Optional[List[List[int]]] = None) -> Dict[str, Any]:
+    """Per-stage medians (``stages_us``) and median / p90 / max (``spread_us``) over the
+    last min(replays, ring - 1) exchanges. ``got``: per rank (role, stamps [ring][2][points],
+    (dispatch, combine) exchange numbers); ``lat``: the timed replays' event latencies, µs;
+    ``st``: per timed replay the Attention stream's (after start, before end) stamps, ns. The
+    last timed replay is the last exchange, so replay j holds exchange last - (replays-1-j)."""
     att = next(g for g in got if g[0] == "attention")
     ffn = next(g for g in got if g[0] == "ffn")
     ring = len(att[1])
     last = att[2][1]  # last combine exchange number
-    n_use = min(replays, ring - 1)
-    per: Dict[str, List[float]] = {name: [] for name, _, _ in STAGES}
+    n_use = min(replays, ring - 1, len(lat))
+    names = [name for name, _, _ in STAGES]
+    if st is not None:
+        names += [name for name, _ in STAMP_STAGES]
+    names.append(OUTSIDE)
+    per: Dict[str, List[float]] = {name: [] for name in names}
     for n in range(last - n_use + 1, last + 1):
+        j = len(lat) - 1 - (last - n)
         da, ca = att[1][n % ring][D], att[1][n % ring][C]
         df, cf = ffn[1][n % ring][D], ffn[1][n % ring][C]
         for name, fn, _ in STAGES:
             per[name].append(fn(da, ca, df, cf) / 1000.0)
+        if st is not None:
+            for name, fn in STAMP_STAGES:
+                per[name].append(fn(st[j], da, ca) / 1000.0)
+        per[OUTSIDE].append(lat[j] - (ca[MAX_END] - da[START]) / 1000.0)
     return {"tokens": T, "latency_us": statistics.median(lat) if lat else None,
-            "stages_us": {k: statistics.median(v) for k, v in per.items() if v}}
+            "latency_spread_us": _spread(lat) if lat else None,
+            "stages_us": {k: statistics.median(v) for k, v in per.items() if v},
+            "spread_us": {k: _spread(v) for k, v in per.items() if v}}
+
+
+def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
+    print(f"\n== {title}")
+    print(f"{'stage (median µs; p90 for the outside-kernel lines)':58s}" +
+          "".join(f"{'T=' + str(r['tokens']):>13s}" for r in rows))
+    print(f"{'event latency (start..end events), median / p90':58s}" +
+          "".join(f"{r['latency_us']:7.1f}/{r['latency_spread_us']['p90']:5.1f}" for r in rows))
+    for name in rows[0]["stages_us"]:
+        if name.startswith("A stream") or name == OUTSIDE:
+            cells = "".join(f"{r['stages_us'][name]:7.1f}/{r['spread_us'][name]['p90']:5.1f}"
+                            for r in rows)
+        else:
+            cells = "".join(f"{r['stages_us'].get(name, float('nan')):13.1f}" for r in rows)
+        print(f"{name:58s}" + cells)
 
 
 def main(argv=None) -> int:
@@ -102,43 +161,52 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     p.add_argument("--routing", default="random")
-    p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"])
+    p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"],
+                   choices=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--replays", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")
+    p.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="protocol controls for the afdep arm only (e.g. AFDEP_WIDE_LOCAL=0)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    from torch_afdep import controls
     from torch_afdep.testing import spawn_world
 
+    afdep_env = {}
+    for kv in args.afdep_env:
+        name, eq, value = kv.partition("=")
+        if not eq or name not in controls.CONTROLS:
+            p.error(f"--afdep-env takes NAME=VALUE with NAME one of {sorted(controls.CONTROLS)}, "
+                    f"got {kv!r}")
+        controls.flags({name: value})  # a bad value raises here, naming the variable
+        afdep_env[name] = value
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("benchmarks.trace needs two CUDA GPUs", file=sys.stderr)
         return 2
     import tempfile
 
     out_dir = tempfile.mkdtemp(prefix="afdep-trace-")
-    results = {}
-    for arm in args.arms:
-        spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1, "capacity": max(args.tokens),
-                "experts": 128, "top_k": 8, "sms": args.sms, "kernel_timeout_s": 20.0,
-                "ctrl_timeout_s": 120, "hidden": args.hidden, "dtype": args.dtype,
-                "routing": args.routing, "tokens": args.tokens, "warmup": 10,
-                "replays": args.replays, "attention_delay_us": 300.0, "queue_ahead_us": 50.0,
-                "out_dir": out_dir}
-        env = {"AFDEP_TRACE": "1", "NCCL_NVLS_ENABLE": "0"}
-        if arm == "symmetric":
-            env["AFDEP_SYMMETRIC"] = "1"
-        res = spawn_world(body, 2, spec, backend="gloo", device_ids=[0, 1], env=env,
-                          timeout=600)
-        rows = res[0]["rows"] or res[1]["rows"]
-        results[arm] = rows
-        print(f"\n== {arm}: 1A1F H{args.hidden} {args.dtype} {args.routing}, "
-              f"{args.sms} SMs (median µs over {args.replays} replays)")
-        names = [n for n, _, _ in STAGES]
-        print(f"{'stage':50s}" + "".join(f"{'T=' + str(r['tokens']):>9s}" for r in rows))
-        print(f"{'event latency (start..end events)':50s}" +
-              "".join(f"{r['latency_us']:9.1f}" for r in rows))
-        for name in names:
-            print(f"{name:50s}" + "".join(f"{r['stages_us'].get(name, float('nan')):9.1f}"
-                                          for r in rows))
+    results: Dict[str, List[List[Dict[str, Any]]]] = {arm: [] for arm in args.arms}
+    for rep in range(args.repeats):
+        for arm in args.arms:  # arms interleaved, one fresh world each
+            spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1,
+                    "capacity": max(args.tokens), "experts": 128, "top_k": 8, "sms": args.sms,
+                    "kernel_timeout_s": 20.0, "ctrl_timeout_s": 120, "hidden": args.hidden,
+                    "dtype": args.dtype, "routing": args.routing, "tokens": args.tokens,
+                    "warmup": 10, "replays": args.replays, "attention_delay_us": 300.0,
+                    "queue_ahead_us": 50.0, "out_dir": out_dir}
+            env = {"AFDEP_TRACE": "1", "NCCL_NVLS_ENABLE": "0"}
+            env.update({"AFDEP_SYMMETRIC": "1"} if arm == "symmetric" else afdep_env)
+            res = spawn_world(body, 2, spec, backend="gloo", device_ids=[0, 1], env=env,
+                              timeout=600)
+            rows = res[0]["rows"] or res[1]["rows"]
+            results[arm].append(rows)
+            extra = f", {' '.join(args.afdep_env)}" if arm == "afdep" and args.afdep_env else ""
+            _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F H{args.hidden} {args.dtype} "
+                        f"{args.routing}, {args.sms} SMs, {args.replays} replays", rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -3,6 +3,8 @@ suite's optional steps)."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import trace
 
 
@@ -47,3 +49,49 @@ def test_stage_medians_from_stamps():
     # true 1 µs (A -> F) + 2 µs (F -> A)
     cross = (s["x A last sent -> F CTA0 counts seen"] + s["x F last signal -> A CTA0 done seen"])
     assert s["x A last sent -> F CTA0 counts seen"] == 1001 and cross == 3
+
+
+def test_stream_stamps_map_each_replay_to_its_exchange():
+    """Replay j of `replays` timed ones is exchange last - (replays - 1 - j). Its start stamp
+    lies (j + 1) µs before the dispatch starts and its end stamp 3 µs after the combine ends;
+    an off-by-one mapping would shift the first by 10 ms (exchanges are 10 ms apart)."""
+    ring, last, replays = 64, 100, 5
+    table = {(0, trace.START): 0, (0, trace.MAX_END): 5, (1, trace.START): 6,
+             (1, trace.MAX_END): 20}
+
+    def at(n, ph, pt):
+        return (n * 10_000 + table[(ph, pt)]) * 1000 if (ph, pt) in table else 0
+
+    got = [("attention", _ring(last, ring, at), (last, last)),
+           ("ffn", _ring(last, ring, lambda n, ph, pt: 0), (last, last))]
+    st, lat = [], []
+    for j in range(replays):
+        t0 = (last - (replays - 1 - j)) * 10_000_000
+        st.append([t0 - 1000 * (j + 1), t0 + 23_000])
+        lat.append(30.0 + j)
+    row = trace.summarize(8, got, lat, replays, st)
+    s, sp = row["stages_us"], row["spread_us"]
+    assert s["A kernels total (dispatch start -> combine end)"] == 20
+    assert sp["A stream: start stamp -> dispatch start"] == {"median": 3, "p90": 5, "max": 5}
+    assert s["A stream: combine end -> end stamp"] == 3
+    assert s[trace.OUTSIDE] == 12 and sp[trace.OUTSIDE]["max"] == 14
+    assert row["latency_spread_us"] == {"median": 32.0, "p90": 34.0, "max": 34.0}
+    # without stream stamps those stages are absent, the rest unchanged
+    row2 = trace.summarize(8, got, lat, replays)
+    assert "A stream: combine end -> end stamp" not in row2["stages_us"]
+    assert row2["stages_us"][trace.OUTSIDE] == 12
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--afdep-env", "AFDEP_NOPE=1"], "--afdep-env takes NAME=VALUE"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
+    with pytest.raises(SystemExit):
+        trace.main(argv)
+    assert fragment in capsys.readouterr().err
+
+
+def test_bad_control_value_names_the_variable():
+    with pytest.raises(ValueError, match="AFDEP_WIDE_LOCAL must be 0 or 1"):
+        trace.main(["--afdep-env", "AFDEP_WIDE_LOCAL=maybe"])

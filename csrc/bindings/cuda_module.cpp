@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "core/comm.h"
+#include "core/launch.h"
 
 namespace py = pybind11;
 using afdep::Comm;
@@ -27,6 +28,14 @@ PYBIND11_MODULE(_cuda, m) {
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;
+  // Diagnostics (benchmarks.trace): one thread writes %globaltimer ns to the device address
+  // `out` (8 bytes) on `stream`, in order with the stream's other work.
+  m.def("stamp", [](uint64_t out, uint64_t stream) {
+    const cudaError_t e = afdep::launch_stamp(reinterpret_cast<uint64_t*>(out),
+                                              reinterpret_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("torch_afdep CUDA: stamp: ") + cudaGetErrorString(e));
+  });
   m.def("runtime_version", []() {
     int v = 0;
     cudaRuntimeGetVersion(&v);

@@ -17,5 +17,7 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
 // Flag ping-pong with group rank `peer` (both sides call it with the same iters and base).
 cudaError_t launch_ping(const Layout& L, int peer, int iters, uint64_t base, int initiator,
                         cudaStream_t stream);
+// One thread writes %globaltimer (ns, the clock of the kernels' trace stamps) to *out.
+cudaError_t launch_stamp(uint64_t* out, cudaStream_t stream);
 
 }  // namespace afdep

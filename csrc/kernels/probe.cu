@@ -1,5 +1,6 @@
-// Probe: a flag ping-pong between two ranks' windows, the latency term of the benchmarks'
-// data-movement floor (one thread per side; nothing else runs in it).
+// Probes: a flag ping-pong between two ranks' windows, the latency term of the benchmarks'
+// data-movement floor (one thread per side; nothing else runs in it), and a one-thread
+// %globaltimer stamp that benchmarks.trace puts on the stream around a graph replay.
 #include "core/launch.h"
 #include "kernels/common.cuh"
 
@@ -21,7 +22,14 @@ __global__ void ping_kernel(Layout L, int peer, int iters, uint64_t base, int in
   }
 }
 
+__global__ void stamp_kernel(uint64_t* out) { *out = global_timer_ns(); }
+
 }  // namespace
+
+cudaError_t launch_stamp(uint64_t* out, cudaStream_t stream) {
+  stamp_kernel<<<1, 1, 0, stream>>>(out);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_ping(const Layout& L, int peer, int iters, uint64_t base, int initiator,
                         cudaStream_t stream) {

@@ -194,6 +194,20 @@ def test_flag_round_trip_probe():
     assert all(0.2 < v < 100.0 for v in init), init
 
 
+def test_stamp_kernel_runs_in_stream_order():
+    """benchmarks.trace's stream stamps: %globaltimer read in order with the stream's work
+    (a ~0.5 ms sleep kernel between two stamps shows up between them)."""
+    from torch_afdep import _cuda
+
+    st = torch.zeros(2, dtype=torch.int64, device="cuda:0")
+    stream = torch.cuda.current_stream(0).cuda_stream
+    _cuda.stamp(st.data_ptr(), stream)
+    torch.cuda._sleep(1_000_000)  # ~0.5 ms at 2 GHz
+    _cuda.stamp(st.data_ptr() + 8, stream)
+    t0, t1 = st.tolist()
+    assert t0 > 0 and 100_000 < t1 - t0 < 100_000_000, (t0, t1)
+
+
 def test_route_errors_reported_and_skipped():
     kw = cfg_kw("1A1F", 128, 2048)
     stats = run("1A1F", kw, [(128, [7], "random"), (128, [128], "partial")], bad_ids=True)
