@@ -1,9 +1,10 @@
 """Environment controls of the CUDA protocol: one registry, parsed once into a bit mask.
 
-Every control but the experimental ``AFDEP_SIZED_GRID`` defaults to 1 (the role-aware change is on); setting it to 0 reverts that one change, and
-``AFDEP_SYMMETRIC=1`` reverts all of them at once, so the same kernels run the symmetric union
-protocol the benchmarks compare against. docs/protocol.md describes each. All ranks of a
-group must agree (checked when a CUDA transport is created).
+Every control but the experimental ``AFDEP_SIZED_GRID`` defaults to 1 (the role-aware change
+is on); setting it to 0 reverts that one change, and ``AFDEP_SYMMETRIC=1`` reverts all of them
+at once, so the same kernels run the symmetric union protocol the benchmarks compare against.
+docs/protocol.md describes each. All ranks of a group must agree (checked when a CUDA transport
+is created).
 """
 
 from __future__ import annotations
@@ -59,11 +60,10 @@ CONTROLS: Dict[str, Control] = {
     "AFDEP_SIZED_GRID": Control(
         1 << 8, 0,
         "experimental, off by default (2 x H200: passes its tests, measured no gain): the "
-        "wide local kernels run "
-        "their wide grid only from 32 tokens (FFN: A x bucket, Attention: T) and num_sms CTAs "
-        "below, and the FFN's last reply CTA stores the exchange number once per Attention "
-        "rank instead of every CTA adding 1; needs AFDEP_WIDE_LOCAL and the four directional "
-        "controls; 0 = fixed grids"),
+        "wide local kernels run their wide grid only from 32 tokens (FFN: A x bucket, "
+        "Attention: T) and num_sms CTAs below, and the FFN's last reply CTA stores the "
+        "exchange number once per Attention rank instead of every CTA adding 1; needs "
+        "AFDEP_WIDE_LOCAL and the four directional controls; 0 = fixed grids"),
     "AFDEP_STREAM_EXPANSION": Control(
         1 << 9, 1,
         "sender CTAs with >= 48 tokens (and >= 32 KB) publish their counts first, then send "

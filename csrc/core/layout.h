@@ -21,7 +21,7 @@ enum ControlFlags : uint32_t {
   F_STREAM_EXPANSION = 1u << 9,    // sender CTAs with >= kStreamMinTokens tokens: counts ahead,
                                    // then one flag per row; the FFN expands each row as it lands
 };
-// every bit above (the Python defaults leave the experimental bits 8 and 9 off)
+// every bit above (the Python defaults leave the experimental bit 8 off)
 constexpr uint32_t kAllRoleAware = 0x3ff;
 constexpr int kMaxAttn = 1024;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
