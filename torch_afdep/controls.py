@@ -1,10 +1,10 @@
 """Environment controls of the CUDA protocol: one registry, parsed once into a bit mask.
 
-Every control but the experimental ``AFDEP_SIZED_GRID`` defaults to 1 (the role-aware change
-is on); setting it to 0 reverts that one change, and ``AFDEP_SYMMETRIC=1`` reverts all of them
-at once, so the same kernels run the symmetric union protocol the benchmarks compare against.
-docs/protocol.md describes each. All ranks of a group must agree (checked when a CUDA transport
-is created).
+Every control but the experimental ``AFDEP_SIZED_GRID`` and ``AFDEP_PDL`` defaults to 1 (the
+role-aware change is on); setting it to 0 reverts that one change, and ``AFDEP_SYMMETRIC=1``
+reverts all of them at once, so the same kernels run the symmetric union protocol the
+benchmarks compare against. docs/protocol.md describes each. All ranks of a group must agree
+(checked when a CUDA transport is created).
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ CONTROLS: Dict[str, Control] = {
         "(slot-major), overlapping the expansion with the transfer at large T; needs "
         "AFDEP_EARLY_COUNTS and the four directional controls; 0 = one payload flag per "
         "channel, and large-T channels send counts last"),
+    "AFDEP_PDL": Control(
+        1 << 10, 0,
+        "experimental, off by default until measured on a GPU: the dispatch and combine "
+        "kernels launch with programmatic dependent launch, so each may be scheduled while "
+        "the previous kernel of its stream drains and waits (griddepcontrol.wait) before "
+        "touching anything, and the dispatch lets the next kernel's CTAs take idle SMs as soon "
+        "as it starts; 0 = ordinary launches"),
 }
 
 #: Reverts every control above.

@@ -20,9 +20,11 @@ enum ControlFlags : uint32_t {
                                    // last reply CTA signals each receiver once (experimental)
   F_STREAM_EXPANSION = 1u << 9,    // sender CTAs with >= kStreamMinTokens tokens: counts ahead,
                                    // then one flag per row; the FFN expands each row as it lands
+  F_PDL = 1u << 10,                // programmatic dependent launch of the transport kernels
+                                   // (experimental)
 };
-// every bit above (the Python defaults leave the experimental bit 8 off)
-constexpr uint32_t kAllRoleAware = 0x3ff;
+// every bit above (the Python defaults leave the experimental bits 8 and 10 off)
+constexpr uint32_t kAllRoleAware = 0x7ff;
 constexpr int kMaxAttn = 1024;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),

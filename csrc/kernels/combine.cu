@@ -126,6 +126,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
+  pdl_wait(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
   const uint64_t n = launch_number(L, kPhaseCombine);
@@ -249,8 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 }  // namespace
 
 cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream) {
-  combine_kernel<<<grid, kThreads, 0, stream>>>(L, a);
-  return cudaGetLastError();
+  return launch_transport_kernel(combine_kernel, L, a, grid, 0, stream);
 }
 
 }  // namespace afdep

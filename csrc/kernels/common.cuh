@@ -48,6 +48,48 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
+// Programmatic dependent launch (F_PDL). A kernel launched with programmatic stream
+// serialization may be scheduled while the previous kernel in its stream drains; pdl_wait,
+// the first thing every transport kernel does, holds it until that kernel has completed and
+// its memory is visible, so only the launch latency overlaps. griddepcontrol needs sm_90.
+__device__ __forceinline__ void pdl_wait(const Layout& L) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (L.flags & F_PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next PDL-launched kernel of the stream be scheduled now: its CTAs take free SMs
+// and sit in pdl_wait, instead of being launched once this grid has ended.
+__device__ __forceinline__ void pdl_launch_dependents(const Layout& L) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (L.flags & F_PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Host: launch a transport kernel; under F_PDL with the programmatic-serialization attribute
+// (cudaLaunchKernelEx), else the plain launch.
+template <typename Args>
+inline cudaError_t launch_transport_kernel(void (*kernel)(Layout, Args), const Layout& L,
+                                           const Args& a, int grid, size_t smem,
+                                           cudaStream_t stream) {
+  if (!(L.flags & F_PDL)) {
+    kernel<<<grid, kThreads, smem, stream>>>(L, a);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, L, a);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -334,6 +334,10 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   extern __shared__ __align__(16) int smem[];
+  pdl_wait(L);
+  // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
+  // end) may take the SMs this grid leaves idle and wait there in pdl_wait
+  pdl_launch_dependents(L);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   const uint64_t n = launch_number(L, kPhaseDispatch);
@@ -469,8 +473,7 @@ cudaError_t dispatch_prepare(const Layout& L) {
 }
 
 cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream) {
-  dispatch_kernel<<<grid, kThreads, dispatch_smem_bytes(L), stream>>>(L, a);
-  return cudaGetLastError();
+  return launch_transport_kernel(dispatch_kernel, L, a, grid, dispatch_smem_bytes(L), stream);
 }
 
 }  // namespace afdep

@@ -23,6 +23,7 @@ BASE_ENV = gw.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
+PDL = {"AFDEP_PDL": "1"}  # experimental: programmatic dependent launch of the kernels
 
 # layout name -> (F, A, device of each group rank, num_experts)
 LAYOUTS = {
@@ -101,9 +102,10 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 @pytest.mark.parametrize("delay,env", [
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
-    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM)],
+    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
+    ("AFDEP_TEST_REPLY_DELAY_MS", PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", PDL)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
-         "reply-sized_grid", "dispatch-stream_expansion"])
+         "reply-sized_grid", "dispatch-stream_expansion", "reply-pdl", "dispatch-pdl"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -181,6 +183,27 @@ def test_stream_expansion_graph_replays(dtype):
     kw = cfg_kw("1A1F", 2048, 2048, dtype)
     res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 2048, [1180], 100, 7000, device_ids=[0, 1],
                              env={**BASE_ENV, **STREAM}, timeout=600)
+    assert all(r == 100 for r in res)
+
+
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+                         + [("2A2F", 128, 4096, "bfloat16")])
+def test_pdl_eager(layout, cap, hidden, dtype):
+    """AFDEP_PDL=1: each kernel may be scheduled while the previous one drains and waits in
+    griddepcontrol.wait; the dispatch lets the combine's CTAs onto idle SMs at its start.
+    Back-to-back exchanges of the plan (T 0 ... bucket) must stay exact."""
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=PDL, seed=9)
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 128, 128),
+                                                 ("float8_e4m3fn", 2048, 1180)],
+                         ids=["bf16-T128", "fp8-T1180"])
+def test_pdl_graph_replays(dtype, bucket, tokens):
+    """Programmatic edges inside captured graphs: 100 checked replays, fresh inputs each."""
+    kw = cfg_kw("1A1F", bucket, 2048, dtype)
+    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 8000,
+                             device_ids=[0, 1], env={**BASE_ENV, **PDL}, timeout=600)
     assert all(r == 100 for r in res)
 
 
