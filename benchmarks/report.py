@@ -200,6 +200,10 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                     "top_k": plan["top_k"], "capacity": plan["capacity"],
                     "latency_us": stats.median(ok),
                     "repeats_us": lats,
+                    # slowest / fastest repeat (fresh worlds): how far one world's result
+                    # can be from another's; None with fewer than 2 repeats measured
+                    "repeat_spread": (max(ok) / min(ok) if len(ok) >= 2 and min(ok) > 0
+                                      else None),
                     "repeat_status": sts,
                     "per_rank_median_us": per_rank_all,
                     "status": status,
@@ -412,6 +416,13 @@ def markdown(doc: Dict[str, Any]) -> str:
             eager = any(r["arm"] == arm and r.get("graph") is False for r in sub)
             label = f"{arm} (eager, no graph)" if eager else arm
             lines.append(f"| {label}, µs | " + " | ".join(cells) + " |")
+        spread_arms = [x for x in ("afdep", "symmetric") if x in arms]
+        if spread_arms and any((get.get((x, t)) or {}).get("repeat_spread") is not None
+                               for x in spread_arms for t in ts):
+            lines.append(f"| repeat spread (slowest / fastest), {' / '.join(spread_arms)} | "
+                         + " | ".join(" / ".join(
+                             _fmt_spread((get.get((x, t)) or {}).get("repeat_spread"))
+                             for x in spread_arms) for t in ts) + " |")
         for a_arm, b_arm in COMPARISONS:
             if a_arm not in arms or b_arm not in arms:
                 continue
@@ -467,6 +478,10 @@ def get_any(get, ts, arms):
                 out[t] = r
                 break
     return out
+
+
+def _fmt_spread(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.2f}×"
 
 
 def _fmt_ratio(v: Optional[float]) -> str:

@@ -176,6 +176,7 @@ def test_aggregate_latency_is_median_of_repeats_of_max_over_ranks():
     r = next(x for x in rows if x["arm"] == "afdep" and x["tokens"] == 1)
     assert r["repeats_us"] == [20.5, 21.5, 22.5]        # max over ranks 1, 2
     assert r["latency_us"] == 21.5                      # median over repeats
+    assert abs(r["repeat_spread"] - 22.5 / 20.5) < 1e-12  # slowest / fastest repeat
     assert r["status"] == "ok" and r["errors"] == []
     c = next(x for x in comps if x["arm"] == "afdep" and x["baseline"] == "symmetric"
              and x["tokens"] == 1)
@@ -286,6 +287,14 @@ def test_flag_round_trip_completes_every_floor_of_its_layout(tmp_path):
     assert all("floor_with_flag_us" not in r for r in rows)
 
 
+def test_repeat_spread_needs_two_measured_repeats():
+    raw, plan = _synthetic(repeats=1)
+    rows, _ = report.aggregate(raw, plan, ceiling_gbps=None)
+    assert all(r["repeat_spread"] is None for r in rows)
+    doc = {"results": rows, "comparisons": [], "args": {}, "machine": {}, "probe": {}}
+    assert "repeat spread" not in report.markdown(doc)
+
+
 def test_markdown_tables(tmp_path):
     doc = _doc(tmp_path)
     path = str(tmp_path / "x.md")
@@ -296,6 +305,9 @@ def test_markdown_tables(tmp_path):
     for arm in ("afdep", "symmetric", "nccl", "nccl_bare"):
         assert f"| {arm}, µs |" in md
     assert "| afdep vs symmetric |" in md and "| afdep vs nccl |" in md
+    # T=1: afdep repeats 20.5..22.5, symmetric 30.5..32.5; T=2,048: 200.5..202.5, 300.5..302.5
+    assert ("| repeat spread (slowest / fastest), afdep / symmetric | 1.10× / 1.07× | "
+            "1.01× / 1.01× |") in md
     assert "(3/3)" in md and "−" in md  # afdep faster: a negative change, typeset
     assert "data floor" in md and "395.0 GB/s" in md
     assert "Registered buffer bytes" in md
