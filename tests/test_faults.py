@@ -155,7 +155,8 @@ def test_next_exchange_after_errors_is_exact(faults):
 def test_world_stack_dump_names_where_a_rank_waits(capfd):
     """AFDEP_WORLD_STACKS_S: each rank of a spawned world prints its stack when it is still
     running after N seconds (how run 19 found a hung NCCL test)."""
-    out = spawn_world(fb.sleeping_body, 2, 3.0, env={"AFDEP_WORLD_STACKS_S": "0.5"}, timeout=60)
+    # the timer starts before the process group forms; the last rank to join sleeps at 1 s
+    out = spawn_world(fb.sleeping_body, 2, 5.0, env={"AFDEP_WORLD_STACKS_S": "1"}, timeout=60)
     assert out == [0, 1]
     err = capfd.readouterr().err
-    assert err.count("Timeout (0:00:00") == 2 and "in sleeping_body" in err, err[-2000:]
+    assert err.count("Timeout (0:00:01)") == 2 and "in sleeping_body" in err, err[-2000:]
