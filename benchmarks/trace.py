@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -83,8 +84,17 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             torch.cuda.synchronize()
             st = torch.zeros(spec["replays"], 2, dtype=torch.int64, device=rk.device)
             stream = torch.cuda.current_stream().cuda_stream
-            around = (lambda j: _cuda.stamp(st.data_ptr() + 16 * j, stream),
-                      lambda j: _cuda.stamp(st.data_ptr() + 16 * j + 8, stream))
+            host = [[0.0, 0.0] for _ in range(spec["replays"])]
+
+            def after_start(j):
+                _cuda.stamp(st.data_ptr() + 16 * j, stream)
+                host[j][0] = time.perf_counter()
+
+            def before_end(j):
+                host[j][1] = time.perf_counter()
+                _cuda.stamp(st.data_ptr() + 16 * j + 8, stream)
+
+            around = (after_start, before_end)
             lat = arms._time_graph(rk, graph, spec["warmup"], spec["replays"], -1,
                                    spec["attention_delay_us"] * 1e-6, spec["queue_ahead_us"],
                                    around=around)
@@ -93,7 +103,11 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             got: List[Any] = [None] * world
             dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr), group=rk.ctrl)
             if rk.is_attention:
-                out["rows"].append(summarize(T, got, lat, spec["replays"], st.tolist()))
+                row = summarize(T, got, lat, spec["replays"], st.tolist())
+                # host time of graph.replay() (the graph launch call): when it outlasts the
+                # queue-ahead sleep, the GPU waits for the host inside the measured interval
+                row["host_replay_us"] = _spread([(b - a) * 1e6 for a, b in host])
+                out["rows"].append(row)
             del graph
             c.release()
     finally:
@@ -153,6 +167,10 @@ def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
         else:
             cells = "".join(f"{r['stages_us'].get(name, float('nan')):13.1f}" for r in rows)
         print(f"{name:58s}" + cells)
+    if all("host_replay_us" in r for r in rows):
+        print(f"{'host: graph.replay() call, median / p90':58s}" +
+              "".join(f"{r['host_replay_us']['median']:7.1f}/{r['host_replay_us']['p90']:5.1f}"
+                      for r in rows))
 
 
 def main(argv=None) -> int:
@@ -165,6 +183,10 @@ def main(argv=None) -> int:
                    choices=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--replays", type=int, default=60)
+    p.add_argument("--capacity", type=int, default=0, help="tokens per rank (default max T)")
+    p.add_argument("--queue-ahead-us", type=float, default=50.0,
+                   help="sleep kernel queued before each timed replay (as benchmarks.run)")
+    p.add_argument("--attention-delay-us", type=float, default=300.0)
     p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")
     p.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
                    help="protocol controls for the afdep arm only (e.g. AFDEP_WIDE_LOCAL=0)")
@@ -193,11 +215,13 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):
         for arm in args.arms:  # arms interleaved, one fresh world each
             spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1,
-                    "capacity": max(args.tokens), "experts": 128, "top_k": 8, "sms": args.sms,
+                    "capacity": args.capacity or max(args.tokens), "experts": 128, "top_k": 8,
+                    "sms": args.sms,
                     "kernel_timeout_s": 20.0, "ctrl_timeout_s": 120, "hidden": args.hidden,
                     "dtype": args.dtype, "routing": args.routing, "tokens": args.tokens,
-                    "warmup": 10, "replays": args.replays, "attention_delay_us": 300.0,
-                    "queue_ahead_us": 50.0, "out_dir": out_dir}
+                    "warmup": 10, "replays": args.replays,
+                    "attention_delay_us": args.attention_delay_us,
+                    "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir}
             env = {"AFDEP_TRACE": "1", "NCCL_NVLS_ENABLE": "0"}
             env.update({"AFDEP_SYMMETRIC": "1"} if arm == "symmetric" else afdep_env)
             res = spawn_world(body, 2, spec, backend="gloo", device_ids=[0, 1], env=env,
