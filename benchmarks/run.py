@@ -113,9 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host spin on Attention ranks after each alignment, before timing, so "
                         "FFN graphs are already launched and waiting (as benchmarks/latency.py "
                         "does); 0 = time right after the barrier")
-    m.add_argument("--queue-ahead-us", type=float, default=0.0,
+    m.add_argument("--queue-ahead-us", type=float, default=200.0,
                    help="enqueue a ~N µs sleep kernel before the start event on Attention "
-                        "ranks, so host graph-launch time is not measured (0 = off)")
+                        "ranks, so host graph-launch time is not measured (0 = off; 2 x H200: "
+                        "the graph.replay() call took 6-17 µs, and with 50 µs some fresh "
+                        "worlds still ran late in a tenth of the replays)")
     m.add_argument("--eager-arms", nargs="*", choices=ARMS, default=[],
                    help="fallback: time these arms' steps eagerly instead of as CUDA graph "
                         "replays (rows say graph: false; the tables mark them)")

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--capacity", type=int, default=0, help="tokens per rank (default max T)")
-    p.add_argument("--queue-ahead-us", type=float, default=50.0,
+    p.add_argument("--queue-ahead-us", type=float, default=200.0,
                    help="sleep kernel queued before each timed replay (as benchmarks.run)")
     p.add_argument("--attention-delay-us", type=float, default=300.0)
     p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")

@@ -113,7 +113,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   stamp "benchmarks.run ${BENCH_ARGS:-}" | tee "$OUT/bench.log"
   timeout -s INT "${BENCH_TIMEOUT:-300}" $PY -m benchmarks.run --out-dir "$OUT" \
-    --queue-ahead-us 50 ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+    --queue-ahead-us 200 ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
   echo "bench rc=$?" | tee -a "$OUT/bench.log"
   tail -24 "$OUT/bench.log"
 fi
