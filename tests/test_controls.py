@@ -45,7 +45,7 @@ def test_bits_match_the_cuda_extension():
              "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
              "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS",
              "AFDEP_SIZED_GRID": "SIZED_GRID", "AFDEP_STREAM_EXPANSION": "STREAM_EXPANSION",
-             "AFDEP_PDL": "PDL", "AFDEP_ROW_BATCH": "ROW_BATCH"}
+             "AFDEP_PDL": "PDL"}
     assert set(names) == set(controls.CONTROLS)
     for env_name, attr in names.items():
         assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name

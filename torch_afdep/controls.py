@@ -78,11 +78,6 @@ CONTROLS: Dict[str, Control] = {
         "the previous kernel of its stream drains and waits (griddepcontrol.wait) before "
         "touching anything, and the dispatch lets the next kernel's CTAs take idle SMs as soon "
         "as it starts; 0 = ordinary launches"),
-    "AFDEP_ROW_BATCH": Control(
-        1 << 11, 1,
-        "streamed expansion: each sender warp copies about 32 KB of rows (H4096: 4 BF16 or 8 "
-        "FP8 rows) before one system fence, then flags each row, instead of a fence per row; "
-        "acts only with AFDEP_STREAM_EXPANSION; 0 = a fence and flag after every row"),
 }
 
 #: Reverts every control above.

@@ -25,7 +25,6 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("SIZED_GRID") = (int)afdep::F_SIZED_GRID;
   m.attr("STREAM_EXPANSION") = (int)afdep::F_STREAM_EXPANSION;
   m.attr("PDL") = (int)afdep::F_PDL;
-  m.attr("ROW_BATCH") = (int)afdep::F_ROW_BATCH;
   m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;

@@ -22,11 +22,9 @@ enum ControlFlags : uint32_t {
                                    // then one flag per row; the FFN expands each row as it lands
   F_PDL = 1u << 10,                // programmatic dependent launch of the transport kernels
                                    // (experimental)
-  F_ROW_BATCH = 1u << 11,          // streamed expansion: one system fence per kRowBatchBytes
-                                   // of a warp's rows, then their flags (else a fence per row)
 };
 // every bit above (the Python defaults leave the experimental bits 8 and 10 off)
-constexpr uint32_t kAllRoleAware = 0xfff;
+constexpr uint32_t kAllRoleAware = 0x7ff;
 constexpr int kMaxAttn = 1024;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
@@ -44,10 +42,6 @@ constexpr int kWideMinTokens = 32;
 // fused or one-flag paths stay (2 x H200, H4096 BF16: 22 tokens per CTA were 4% slower with
 // row flags, 86 tokens 9% faster).
 constexpr int kStreamMinTokens = 48;
-// F_ROW_BATCH: a warp copies rows until about this many bytes are in flight, fences once, then
-// flags each of them (H4096: 4 BF16 or 8 FP8 rows; at most kMaxRowBatch rows).
-constexpr int kRowBatchBytes = 32 * 1024;
-constexpr int kMaxRowBatch = 8;
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
                                  F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
 constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;

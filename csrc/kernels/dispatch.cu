@@ -114,38 +114,21 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int 
 // Streamed expansion: one warp per (token, FFN) row, each row followed by its own flag, so the
 // FFN expands it without waiting for the rest of the channel. The flag store by lane 0 comes
 // after __syncwarp and a system fence, which order the whole warp's row stores before it.
-// F_ROW_BATCH: the warp copies `batch` rows (its units u, u + kWarps, ...) before that fence,
-// so their NVLink writes are in flight together and one fence covers them; the flags follow
-// as strong relaxed stores (fence + strong store is a release pattern).
 __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo, int ntok,
                                   const int* s_slot, int src_idx, int c, uint64_t n) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
-  const int units = ntok * L.F;
-  const bool batched = (L.flags & F_ROW_BATCH) != 0;
-  const int batch = batched ? max(1, min(kMaxRowBatch, kRowBatchBytes / L.row_bytes)) : 1;
-  for (int u0 = warp; u0 < units; u0 += kWarps * batch) {
-    for (int b = 0; b < batch; ++b) {
-      const int u = u0 + b * kWarps;
-      if (u >= units) break;
-      const int i = u / L.F, fd = u % L.F;
-      const int slot = s_slot[i * L.F + fd];
-      if (slot >= 0) copy_row(L, a, lo + i, fd, slot, src_idx, c, 0, nv, lane);
-    }
+  for (int u = warp; u < ntok * L.F; u += kWarps) {
+    const int i = u / L.F, fd = u % L.F;
+    const int slot = s_slot[i * L.F + fd];
+    if (slot < 0) continue;
+    copy_row(L, a, lo + i, fd, slot, src_idx, c, 0, nv, lane);
     __syncwarp();
     if (lane == 0) {
+      const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
       fence_acq_rel_sys();
-      for (int b = 0; b < batch; ++b) {
-        const int u = u0 + b * kWarps;
-        if (u >= units) break;
-        const int i = u / L.F, fd = u % L.F;
-        const int slot = s_slot[i * L.F + fd];
-        if (slot < 0) continue;
-        const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
-        uint64_t* flag = reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_ffn[fd]) +
-                                                     L.off_rowflag) + gslot;
-        if (batched) st_relaxed_sys(flag, n); else st_release_sys(flag, n);
-      }
+      st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_ffn[fd]) +
+                                                 L.off_rowflag) + gslot, n);
     }
   }
 }

@@ -162,9 +162,8 @@ def test_sized_grid_graph_replays(bucket, tokens):
     assert all(r == 100 for r in res)
 
 
-@pytest.mark.parametrize("env", [{**STREAM, **SIZED}, {"AFDEP_STREAM_EXPANSION": "0"},
-                                 {"AFDEP_ROW_BATCH": "0"}],
-                         ids=["stream+sized", "reverted", "fence_per_row"])
+@pytest.mark.parametrize("env", [{**STREAM, **SIZED}, {"AFDEP_STREAM_EXPANSION": "0"}],
+                         ids=["stream+sized", "reverted"])
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 2048, 2048, "float8_e4m3fn")])
 def test_stream_expansion_eager(layout, cap, hidden, dtype, env):
@@ -172,8 +171,7 @@ def test_stream_expansion_eager(layout, cap, hidden, dtype, env):
     sized grid and reverted): sender CTAs with >= 48 tokens (and >= 32 KB) claim every
     token first and flag each row; the FFN expands rows slot-major as they land. The plan's
     T = bucket = 2048 cells take that path (86 tokens per channel), T = 128 the one-flag early
-    path (6 per channel), T <= 7 the plain one; in 2A2F one exchange mixes them. By default
-    (AFDEP_ROW_BATCH) a warp fences once per ~32 KB of rows; fence_per_row reverts that."""
+    path (6 per channel), T <= 7 the plain one; in 2A2F one exchange mixes them."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=7)
 
