@@ -34,20 +34,30 @@ import torch.distributed as dist
 from benchmarks import arms
 
 # trace points (csrc/core/layout.h TracePoint)
-START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY = range(8)
+(START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
+ TABLE) = range(12)
 D, C = 0, 1  # phases
 
 #: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns, crosses GPUs)
 STAGES = [
     ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: da[MAX_SENT] - da[START], False),
+    # CTA 0's steps (at small T the CTA that holds the tokens): claim, payload copy, signal
+    ("  A CTA0: start -> tokens claimed", lambda da, ca, df, cf: da[CLAIMED] - da[START], False),
+    ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: da[COPIED] - da[CLAIMED], False),
+    ("  A CTA0: payload written -> counts signalled",
+     lambda da, ca, df, cf: da[SENT] - da[COPIED], False),
     ("A dispatch kernel (start -> last CTA end)", lambda da, ca, df, cf: da[MAX_END] - da[START], False),
     ("A gap: dispatch end -> combine start", lambda da, ca, df, cf: ca[START] - da[MAX_END], False),
     ("x F receive started before A dispatch", lambda da, ca, df, cf: da[START] - df[START], True),
     ("x A last sent -> F CTA0 counts seen", lambda da, ca, df, cf: df[WAITED] - da[MAX_SENT], True),
     ("F counts seen -> offsets ready", lambda da, ca, df, cf: df[READY] - df[WAITED], False),
+    ("  F CTA0: counts seen -> count table loaded",
+     lambda da, ca, df, cf: df[TABLE] - df[WAITED], False),
     ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: df[MAX_END] - df[READY], False),
     ("F gap: receive end -> reply start", lambda da, ca, df, cf: cf[START] - df[MAX_END], False),
     ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: cf[MAX_SENT] - cf[START], False),
+    ("  F CTA0: start -> reduced rows written",
+     lambda da, ca, df, cf: cf[WRITTEN] - cf[START], False),
     ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: ca[WAITED] - cf[MAX_SENT], True),
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: ca[MAX_END] - ca[WAITED], False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: ca[MAX_END] - da[START], False),

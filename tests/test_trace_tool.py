@@ -9,24 +9,27 @@ from benchmarks import trace
 
 
 def _ring(n_last, ring, stamp):
-    """[ring][2][8] stamps with stamp(n, phase, point) at the slots of exchanges <= n_last."""
-    out = [[[0] * 8 for _ in range(2)] for _ in range(ring)]
+    """[ring][2][12] stamps with stamp(n, phase, point) at the slots of exchanges <= n_last."""
+    out = [[[0] * 12 for _ in range(2)] for _ in range(ring)]
     for n in range(n_last - ring + 1, n_last + 1):
         for ph in range(2):
-            for pt in range(8):
+            for pt in range(12):
                 out[n % ring][ph][pt] = stamp(n, ph, pt)
     return out
 
 
 def test_stage_medians_from_stamps():
     ring, last = 64, 200
-    # Attention: dispatch start 0, sent/max sent 5 µs, end 6; combine start 7, waited 20, end 22.
-    att = {(0, trace.START): 0, (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
+    # Attention: dispatch start 0, claimed 1, payload written 3, sent 4, max sent 5 µs, end 6;
+    # combine start 7, waited 20, end 22.
+    att = {(0, trace.START): 0, (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
+           (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
            (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_END): 22}
-    # FFN, clock 1000 µs ahead: receive waited 1006, ready 1009, end 1012; reply start 1013,
-    # max sent 1018.
-    ffn = {(0, trace.START): 990, (0, trace.WAITED): 1006, (0, trace.READY): 1009,
-           (0, trace.MAX_END): 1012, (1, trace.START): 1013, (1, trace.MAX_SENT): 1018}
+    # FFN, clock 1000 µs ahead: receive waited 1006, table 1007, ready 1009, end 1012; reply
+    # start 1013, rows written 1016, max sent 1018.
+    ffn = {(0, trace.START): 990, (0, trace.WAITED): 1006, (0, trace.TABLE): 1007,
+           (0, trace.READY): 1009, (0, trace.MAX_END): 1012, (1, trace.START): 1013,
+           (1, trace.WRITTEN): 1016, (1, trace.MAX_SENT): 1018}
 
     def stamps(table):
         def at(n, ph, pt):  # ns; exchange n starts at n * 10 ms
@@ -39,6 +42,11 @@ def test_stage_medians_from_stamps():
     s = row["stages_us"]
     assert row["tokens"] == 8 and row["latency_us"] == 30.0
     assert s["A dispatch: start -> last CTA sent"] == 5
+    assert s["  A CTA0: start -> tokens claimed"] == 1
+    assert s["  A CTA0: claimed -> payload written"] == 2
+    assert s["  A CTA0: payload written -> counts signalled"] == 1
+    assert s["  F CTA0: counts seen -> count table loaded"] == 1
+    assert s["  F CTA0: start -> reduced rows written"] == 3
     assert s["A gap: dispatch end -> combine start"] == 1
     assert s["F counts seen -> offsets ready"] == 3
     assert s["F expansion (ready -> last CTA end)"] == 3

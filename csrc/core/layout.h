@@ -58,9 +58,10 @@ enum DebugBits : int {
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 
 // Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
-// kTraceRing exchanges, [ring][phase][point]. Points 0-3 are CTA 0's; 4-6 the latest over CTAs.
+// kTraceRing exchanges, [ring][phase][point]. Points 4-6 are the latest over CTAs, the rest
+// CTA 0's (at small T the CTA that holds the tokens).
 constexpr int kTraceRing = 64;
-constexpr int kTracePts = 8;
+constexpr int kTracePts = 12;
 enum TracePoint : int {
   kTrStart = 0,    // kernel start (CTA 0)
   kTrSent = 1,     // send stage done, signals written (CTA 0)
@@ -70,6 +71,10 @@ enum TracePoint : int {
   kTrMaxWaited = 5,
   kTrMaxEnd = 6,
   kTrReady = 7,    // FFN receive: expert offsets computed, expansion starts (CTA 0)
+  kTrClaimed = 8,  // dispatch sender: tokens claimed (slots, metadata written) (CTA 0)
+  kTrCopied = 9,   // dispatch sender: payload rows written, before the signalling fence (CTA 0)
+  kTrWritten = 10, // FFN reply: reduced rows written, before the signalling fence (CTA 0)
+  kTrTable = 11,   // FFN receive: count table in shared memory, before the scans (CTA 0)
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.

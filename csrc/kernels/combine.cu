@@ -162,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
     }
     sys_fence_then_sync(L);
+    trace_mark(L, kPhaseCombine, n, kTrWritten, -1);  // the signalling fences come next
     if (rwo && L.sized) {
       // The grid may differ per launch, so receivers cannot count CTAs: each CTA fences
       // (covering its rows, after the bar.sync) and arrives on a device-local count; the

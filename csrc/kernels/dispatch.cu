@@ -212,6 +212,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
                      cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 12));
   }
   __syncthreads();
+  trace_mark(L, kPhaseDispatch, n, kTrTable, -1);
   for (int e = tid; e < El; e += blockDim.x) {
     int run = 0;
     for (int g = 0; g < nreg; ++g) {
@@ -399,6 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
+    trace_mark(L, kPhaseDispatch, n, kTrClaimed, -1);
     // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
     // receiver reads the choice from the count block's `ahead` word.
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
@@ -412,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
+    trace_mark(L, kPhaseDispatch, n, kTrCopied, -1);
     if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, kAheadNone);
     if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {

@@ -324,3 +324,29 @@ def test_sanitizer_small():
     """Small 1A1F exchange (run under compute-sanitizer by scripts/gpu_suite.sh)."""
     kw = cfg_kw("1A1F", 32, 1024)
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
+
+
+def test_trace_stages_are_ordered(tmp_path):
+    """benchmarks.trace on 2 GPUs (AFDEP_TRACE=1): every stage of a T = 1 and a T = 128
+    exchange is recorded and the CTA-0 sub-stages (claim, payload, signal; count table; reply
+    rows) are non-negative and add up within the stage they split."""
+    import json
+
+    from benchmarks import trace  # repository root on sys.path (python -m pytest)
+
+    out = tmp_path / "trace.json"
+    assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["afdep"][0]
+    assert [r["tokens"] for r in rows] == [1, 128]
+    for r in rows:
+        s = r["stages_us"]
+        parts = [s["  A CTA0: start -> tokens claimed"], s["  A CTA0: claimed -> payload written"],
+                 s["  A CTA0: payload written -> counts signalled"]]
+        assert all(0 <= p < 1000 for p in parts), (r["tokens"], parts)
+        assert sum(parts) <= s["A dispatch: start -> last CTA sent"] + 1.0, s
+        assert 0 <= s["  F CTA0: counts seen -> count table loaded"] <= \
+            s["F counts seen -> offsets ready"], s
+        assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \
+            s["F reply (start -> last CTA signalled)"], s
+        assert 0 < s["A kernels total (dispatch start -> combine end)"] < r["latency_us"], s
