@@ -168,7 +168,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _parse_afdep_env(p: argparse.ArgumentParser, items: List[str]) -> Dict[str, str]:
+def parse_afdep_env(p: argparse.ArgumentParser, items: List[str]) -> Dict[str, str]:
+    """--afdep-env NAME=0|1 items -> {NAME: value} (also benchmarks.trace's parser)."""
     from torch_afdep import controls
 
     out: Dict[str, str] = {}
@@ -192,7 +193,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--queue-ahead-us must be in [0, 10000]")
     if args.warmup < 0 or args.eager_steps < 1:
         p.error("--warmup must be >= 0 and --eager-steps >= 1")
-    args.afdep_env_vars = _parse_afdep_env(p, args.afdep_env)
+    args.afdep_env_vars = parse_afdep_env(p, args.afdep_env)
     bad = [t for t in args.tokens if t < 1 or t > args.capacity]
     if bad:
         p.error(f"--tokens must be in [1, --capacity={args.capacity}], got {bad}")

@@ -202,17 +202,10 @@ def main(argv=None) -> int:
                    help="protocol controls for the afdep arm only (e.g. AFDEP_WIDE_LOCAL=0)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
-    from torch_afdep import controls
+    from benchmarks.run import parse_afdep_env
     from torch_afdep.testing import spawn_world
 
-    afdep_env = {}
-    for kv in args.afdep_env:
-        name, eq, value = kv.partition("=")
-        if not eq or name not in controls.CONTROLS:
-            p.error(f"--afdep-env takes NAME=VALUE with NAME one of {sorted(controls.CONTROLS)}, "
-                    f"got {kv!r}")
-        controls.flags({name: value})  # a bad value raises here, naming the variable
-        afdep_env[name] = value
+    afdep_env = parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
