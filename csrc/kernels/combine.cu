@@ -33,14 +33,16 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, int ai, int v0,
                             int v1, bool first, int lane, int (*s_rows)[32], int warp,
                             int src_idx) {
+  // both loads before the check: independent, so their latencies overlap (the check's early
+  // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
+  int row = -1;
+  if (lane < L.R) row = a.token_rows[item * L.R + lane];
   if (tok < 0 || tok >= L.C) {
     if (lane == 0 && first) report_route(L.err, tok, 2);
     return;
   }
   const int rows_cap = L.A * a.bucket * L.R;
-  int row = -1;
-  if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const bool ok = lane < L.R && row >= 0 && row < rows_cap;
   const unsigned b = __ballot_sync(kFull, ok);
   const int nvalid = __popc(b);
