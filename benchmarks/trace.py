@@ -208,6 +208,11 @@ def main(argv=None) -> int:
     afdep_env = parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0 <= args.queue_ahead_us <= 1e4 or not 0 <= args.attention_delay_us <= 1e5:
+        p.error("--queue-ahead-us must be in [0, 10000] and --attention-delay-us in [0, 100000]")
+    if min(args.tokens) < 1 or (args.capacity and max(args.tokens) > args.capacity):
+        p.error(f"--tokens must be in [1, --capacity={args.capacity or 'max T'}], "
+                f"got {args.tokens}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("benchmarks.trace needs two CUDA GPUs", file=sys.stderr)
         return 2

@@ -94,6 +94,9 @@ def test_stream_stamps_map_each_replay_to_its_exchange():
     (["--afdep-env", "AFDEP_NOPE=1"], "--afdep-env takes NAME=0|1"),
     (["--afdep-env", "AFDEP_WIDE_LOCAL=maybe"], "got 'AFDEP_WIDE_LOCAL=maybe'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--queue-ahead-us", "-1"], "--queue-ahead-us must be in [0, 10000]"),
+    (["--tokens", "64", "--capacity", "32"], "--tokens must be in [1, --capacity=32]"),
+    (["--tokens", "0"], "--tokens must be in [1, --capacity=max T]"),
 ])
 def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
     with pytest.raises(SystemExit):
