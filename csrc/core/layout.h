@@ -25,11 +25,11 @@ enum ControlFlags : uint32_t {
 };
 // every bit above (the Python defaults leave the experimental bits 8 and 10 off)
 constexpr uint32_t kAllRoleAware = 0x7ff;
-constexpr int kMaxAttn = 1024;
+constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
 // i.e. when crossing NVLink takes longer than the receiver's offset computation.
-constexpr int64_t kEarlyMinBytes = 32 * 1024;  // Attention ranks per group (combine kernel's shared table)
+constexpr int64_t kEarlyMinBytes = 32 * 1024;
 // Wide grids need the directional protocol (the barriers and dummy stages of the reverted
 // controls are per channel, i.e. S CTAs on every rank).
 constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
