@@ -26,6 +26,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from . import reference as ref
 from .config import MAX_SLOTS, Config
 from .errors import AfdepTimeoutError
 
@@ -45,40 +46,9 @@ def tag_base(buffer_id: int, slot: int) -> int:
 
 
 def local_routes(config: Config, expert_ids: torch.Tensor, weights: torch.Tensor, f: int):
-    """Compact the entries of each token that fall on FFN index ``f``.
-
-    Returns (local_ids [T, R] int32, -1 padded; local_w [T, R] float32, 0 padded;
-    hits [T] bool). A duplicated expert id within a token counts once (first occurrence).
-    """
-    el, r = config.experts_per_rank, config.rows_per_token
-    ids = expert_ids.to(torch.int64)
-    t, k = ids.shape
-    mine = (ids >= f * el) & (ids < (f + 1) * el)
-    # Drop later duplicates of an id within a token.
-    if k > 1:
-        same = ids[:, :, None] == ids[:, None, :]  # [T, k, k]
-        earlier = torch.ones(k, k, dtype=torch.bool).tril(-1)  # j' < j
-        mine &= ~(same & earlier).any(dim=2)
-    # Stable compaction: chosen entries first, in their original order.
-    order = torch.argsort((~mine).to(torch.int8), dim=1, stable=True)
-    sel = torch.gather(mine, 1, order)[:, :r]
-    lid = torch.gather(ids - f * el, 1, order)[:, :r]
-    lw = torch.gather(weights.to(torch.float32), 1, order)[:, :r]
-    local_ids = torch.where(sel, lid, torch.full_like(lid, -1)).to(torch.int32)
-    local_w = torch.where(sel, lw, torch.zeros_like(lw))
-    return local_ids.contiguous(), local_w.contiguous(), sel.any(dim=1)
-
-
-def route_bits(config: Config, expert_ids: torch.Tensor) -> torch.Tensor:
-    """[T] int64: bit f set when the token has an expert on FFN index f."""
-    ids = expert_ids.to(torch.int64)
-    valid = ids >= 0
-    f = torch.where(valid, ids // config.experts_per_rank, torch.zeros_like(ids))
-    bits = torch.where(valid, torch.ones_like(ids) << f, torch.zeros_like(ids))
-    out = torch.zeros(ids.shape[0], dtype=torch.int64)
-    for j in range(ids.shape[1]):
-        out |= bits[:, j]
-    return out
+    """``reference.compact_local_routes`` for FFN index ``f`` of ``config``."""
+    return ref.compact_local_routes(expert_ids, weights, f, config.experts_per_rank,
+                                    config.rows_per_token)
 
 
 class CpuTransport:
@@ -154,7 +124,7 @@ class CpuTransport:
     def dispatch(self, x, expert_ids, weights, x_scales, bucket: int, route) -> None:
         cfg = self.config
         self._finish_sends()
-        route.copy_(route_bits(cfg, expert_ids))
+        route.copy_(ref.route_mask(cfg, expert_ids))
         for f, peer in enumerate(cfg.ffn_group_ranks):
             local_ids, local_w, hits = local_routes(cfg, expert_ids, weights, f)
             toks = hits.nonzero().flatten()

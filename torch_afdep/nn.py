@@ -42,11 +42,12 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import reference as _ref
 from .config import ATTENTION, FFN, FP8_BLOCK, Config
 from .ops import afd_combine, afd_dispatch, afd_receive, afd_reply
 
 METHODS = ("auto", "grouped", "dense", "loop")
-_FP8_MAX = 448.0
+
 _GROUPED_OK: Dict[Tuple[str, torch.dtype], bool] = {}
 
 
@@ -103,14 +104,7 @@ def topk_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
     return ids, w.to(torch.float32)
 
 
-def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-128-element block quantization: (x_fp8 [T, H] float8_e4m3fn, scales [T, H/128]
-    float32) with x ~= x_fp8 * scales (the contract's FP8 payload)."""
-    t, h = x.shape
-    blocks = x.float().reshape(t, h // FP8_BLOCK, FP8_BLOCK)
-    scales = (blocks.abs().amax(dim=2).clamp(min=1e-8) / _FP8_MAX).to(torch.float32)
-    q = (blocks / scales[:, :, None]).reshape(t, h).to(torch.float8_e4m3fn)
-    return q, scales
+quantize_fp8 = _ref.quantize_fp8  # the contract's FP8 payload (torch_afdep.reference)
 
 
 def dequantize_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor], dtype: torch.dtype

@@ -1,0 +1,276 @@
+"""Every ``AFDEP_*`` environment variable torch_afdep reads: one registry, parsed once.
+
+Each entry says its type, default, meaning and when it is read. Protocol controls carry the
+bit they set in the mask passed to the CUDA kernels (``csrc/include/afdep/layout.h``
+``ControlFlags``; a test checks the two lists name the same bits). C++ never reads the
+environment: values reach it through ``CommConfig``.
+
+This module imports nothing but the standard library, so ``setup.py`` can load it for the
+build-time variables without importing torch_afdep.
+
+- ``get(name, environ=None)``: one variable's parsed value (``ValueError`` naming it and the
+  allowed values when it is malformed).
+- ``current()``: every run-time value of this process, parsed once (``reset()`` re-reads).
+- ``protocol_flags(environ=None)``: the control bit mask (``AFDEP_SYMMETRIC=1`` gives 0).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+
+# When a variable is read.
+AT_IMPORT = "import"
+AT_GROUP = "afdep group creation"
+AT_BUFFER = "Buffer creation (CUDA)"
+AT_DISPATCH = "dispatch (eager CUDA)"
+AT_BUILD = "build time (setup.py)"
+AT_BENCH = "benchmarks"
+AT_TESTS = "tests"
+
+
+class Setting(NamedTuple):
+    """One environment variable.
+
+    kind: ``"bool"`` (0/1, true/false, yes/no, on/off), ``"int"``, ``"float"``, ``"str"`` or
+    ``"choice"`` (one of ``choices``, case-insensitive). ``bit``: protocol control bit (0 for
+    everything else). ``experimental``: a protocol control that stays off by default."""
+
+    name: str
+    kind: str
+    default: Any
+    meaning: str
+    read: str
+    bit: int = 0
+    choices: Tuple[str, ...] = ()
+
+
+def _control(name: str, bit: int, default: int, meaning: str) -> Setting:
+    return Setting(name, "bool", default, meaning, AT_BUFFER, bit=1 << bit)
+
+
+#: Protocol controls: 1 = the role-aware change is on; 0 reverts that one change. The bit
+#: positions are ``ControlFlags`` of the kernels.
+_CONTROLS = (
+    _control("AFDEP_ROLE_BUFFERS", 0, 1,
+             "per-role inboxes: FFN ranks hold dispatch inboxes for A sources, Attention "
+             "ranks combine inboxes for F sources; 0 = every rank registers the union-sized "
+             "window"),
+    _control("AFDEP_NO_ENTRY_BARRIER", 1, 1,
+             "no entry barrier (sequence numbers guard reuse); 0 = full barrier among all "
+             "ranks at the entry of both phases"),
+    _control("AFDEP_ONE_WAY_COUNTS", 2, 1,
+             "counts ride behind each sender CTA's payload, Attention -> FFN only; 0 = counts "
+             "are exchanged all-to-all first and every rank spins until all arrive"),
+    _control("AFDEP_RECEIVER_WAIT_ONLY", 3, 1,
+             "only receivers wait, per sending CTA; 0 = full exit barrier among all ranks and "
+             "channels in both phases"),
+    _control("AFDEP_ROLE_WARPS", 4, 1,
+             "each role runs only its own stage; 0 = every rank runs both stages (Attention "
+             "ranks as dummy expert holders receiving nothing, FFN ranks as senders of "
+             "nothing)"),
+    _control("AFDEP_SINGLE_FFN", 5, 1,
+             "with one FFN rank, combine copies the single reply row (no fp32 sum loop); 0 = "
+             "the general sum"),
+    _control("AFDEP_WIDE_LOCAL", 6, 1,
+             "the kernels that mostly do local work (FFN receive and reply: expansion and "
+             "fp32 reduction; Attention combine: collect) run Config.local_sms CTAs, default "
+             "one per SM; needs the four directional controls above; 0 = num_sms CTAs like "
+             "every other kernel"),
+    _control("AFDEP_EARLY_COUNTS", 7, 1,
+             "a sender CTA with few tokens (but >= 32 KB of payload) publishes its counts "
+             "before copying the payload (the FFN computes its offsets while the payload is "
+             "in flight) and then a per-channel payload flag; needs the four directional "
+             "controls; 0 = counts after the payload"),
+    _control("AFDEP_SIZED_GRID", 8, 0,
+             "experimental, off by default (2 x H200: passes its tests, measured no gain): "
+             "the wide local kernels run their wide grid only from 32 tokens (FFN: A x "
+             "bucket, Attention: T) and num_sms CTAs below, and the FFN's last reply CTA "
+             "stores the exchange number once per Attention rank instead of every CTA adding "
+             "1; needs AFDEP_WIDE_LOCAL and the four directional controls; 0 = fixed grids"),
+    _control("AFDEP_STREAM_EXPANSION", 9, 1,
+             "sender CTAs with >= 48 tokens (and >= 32 KB) publish their counts first, then "
+             "send each row with its own flag, and the FFN expands every row as soon as it "
+             "lands (slot-major), overlapping the expansion with the transfer at large T; "
+             "needs AFDEP_EARLY_COUNTS and the four directional controls; 0 = one payload "
+             "flag per channel, and large-T channels send counts last"),
+    _control("AFDEP_PDL", 10, 0,
+             "experimental, off by default (2 x H200: no gain at T = 1): the dispatch and "
+             "combine kernels launch with programmatic dependent launch, so each may be "
+             "scheduled while the previous kernel of its stream drains and waits "
+             "(griddepcontrol.wait) before touching anything; 0 = ordinary launches"),
+)
+
+SYMMETRIC = "AFDEP_SYMMETRIC"
+
+_OTHERS = (
+    Setting(SYMMETRIC, "bool", 0,
+            "1 reverts every protocol control at once (the symmetric baseline arm)", AT_BUFFER),
+    Setting("AFDEP_TRANSPORT", "choice", "ipc",
+            "CUDA transport: ipc (CUDA IPC handles; several ranks may share a GPU) or nccl "
+            "(NCCL device-API windows, LSA peer pointers; one rank per GPU)", AT_BUFFER,
+            choices=("ipc", "nccl")),
+    Setting("AFDEP_CHECK_INPUTS", "bool", 1,
+            "0 skips the host-side expert-id range check of eager CUDA dispatch (inside "
+            "graphs the kernels check and report AfdepRouteError)", AT_DISPATCH),
+    Setting("AFDEP_ROLES", "str", "",
+            "roles of afdep groups created without AfdepOptions, e.g. FFAA or 2F2A",
+            AT_GROUP),
+    Setting("AFDEP_TRACE", "bool", 0,
+            "diagnostics: 1 records per-stage timestamps in the kernels (benchmarks.trace)",
+            AT_BUFFER),
+    Setting("AFDEP_DEBUG", "int", 0,
+            "diagnostics bit mask: 1 prints signal values from the kernels, 8 fences in "
+            "every writer thread (the older, slower form); never in benchmarks", AT_BUFFER),
+    Setting("AFDEP_BUILD_CUDA", "choice", "auto",
+            "0/1 forces the CUDA extension off/on (auto: on when nvcc is found)", AT_BUILD,
+            choices=("auto", "0", "1")),
+    Setting("AFDEP_CUDA_ARCH", "str", "",
+            "nvcc -gencode targets of the CUDA extension (empty: sm_90a)", AT_BUILD),
+    Setting("AFDEP_NCCL", "bool", 1,
+            "0 builds the CUDA extension without the NCCL transport", AT_BUILD),
+    Setting("AFDEP_NCCL_HOME", "str", "",
+            "NCCL (include/, lib/) for the NCCL transport (empty: the nvidia-nccl wheel)",
+            AT_BUILD),
+    Setting("AFDEP_PTXAS_V", "bool", 0, "1 prints ptxas register and spill counts", AT_BUILD),
+    Setting("AFDEP_COMMIT", "str", "",
+            "the commit recorded in result files (empty: git rev-parse)", AT_BENCH),
+    Setting("AFDEP_BENCH_INJECT", "str", "",
+            "benchmark test hook: inject failures (never set in real runs)", AT_BENCH),
+    Setting("AFDEP_WORLD_STACKS_S", "float", 0.0,
+            "spawned test worlds print every rank's Python stacks after this many seconds "
+            "(0: never)", AT_TESTS),
+    Setting("AFDEP_TEST_SHARED_GPU", "bool", 0,
+            "GPU tests: run layouts whose ranks share a GPU (needs CUDA MPS)", AT_TESTS),
+    Setting("AFDEP_TEST_REPLY_DELAY_MS", "float", 0.0,
+            "GPU tests: the FFN's expert waits this long before replying", AT_TESTS),
+    Setting("AFDEP_TEST_DISPATCH_DELAY_MS", "float", 0.0,
+            "GPU tests: the Attention waits this long before dispatching", AT_TESTS),
+    Setting("AFDEP_TEST_COMBINE_DELAY_MS", "float", 0.0,
+            "GPU tests: the Attention waits this long before combining", AT_TESTS),
+    Setting("AFDEP_TEST_BUFFERS", "int", 1000,
+            "GPU lifecycle test: buffers created and closed", AT_TESTS),
+    Setting("AFDEP_GPU_BODIES_ON_CPU", "bool", 0,
+            "import the GPU test bodies without a GPU (smoke tests)", AT_TESTS),
+)
+
+#: name -> Setting, for every variable torch_afdep reads.
+SETTINGS: Dict[str, Setting] = {s.name: s for s in _CONTROLS + _OTHERS}
+
+#: The protocol controls, in bit order.
+CONTROLS: Dict[str, Setting] = {s.name: s for s in _CONTROLS}
+
+#: Every control bit.
+ALL_ROLE_AWARE = sum(c.bit for c in _CONTROLS)
+
+#: The mask of an environment that sets no control (experimental changes stay off).
+DEFAULT_FLAGS = sum(c.bit for c in _CONTROLS if c.default)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse(name: str, raw: str) -> Any:
+    """``raw`` as the value of ``name``; ValueError naming it and the allowed values."""
+    s = SETTINGS[name]
+    v = raw.strip()
+    if s.kind == "bool":
+        low = v.lower()
+        if low in _TRUE:
+            return 1
+        if low in _FALSE:
+            return 0
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    if s.kind == "int":
+        try:
+            return int(v, 0)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if s.kind == "float":
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if s.kind == "choice":
+        low = v.lower() or str(s.default)
+        if low not in s.choices:
+            raise ValueError(f"{name} must be one of {', '.join(s.choices)}, got {raw!r}")
+        return low
+    return v
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The parsed value of ``name`` in ``environ`` (default: os.environ), or its default."""
+    environ = os.environ if environ is None else environ
+    s = SETTINGS[name]  # KeyError: not a registered variable
+    raw = environ.get(name)
+    if raw is None or (raw.strip() == "" and s.kind != "str"):
+        return s.default
+    return parse(name, raw)
+
+
+def protocol_flags(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The control bit mask of ``environ`` (default: os.environ)."""
+    if get(SYMMETRIC, environ):
+        return 0
+    mask = 0
+    for name, c in CONTROLS.items():
+        if get(name, environ):
+            mask |= c.bit
+    return mask
+
+
+def describe_flags(mask: int) -> Dict[str, int]:
+    """{control name: 0/1} for a mask."""
+    return {name: int(bool(mask & c.bit)) for name, c in CONTROLS.items()}
+
+
+def unknown(environ: Optional[Mapping[str, str]] = None) -> Tuple[str, ...]:
+    """``AFDEP_*`` names set in ``environ`` that torch_afdep does not read (typos)."""
+    environ = os.environ if environ is None else environ
+    return tuple(sorted(k for k in environ if k.startswith("AFDEP_") and k not in SETTINGS))
+
+
+class Values(NamedTuple):
+    """The run-time settings of one process (``current()``)."""
+
+    flags: int
+    transport: str
+    check_inputs: int
+    roles: str
+    trace: int
+    debug: int
+
+
+def read(environ: Optional[Mapping[str, str]] = None) -> Values:
+    """Parse every run-time setting of ``environ`` (default: os.environ)."""
+    return Values(
+        flags=protocol_flags(environ),
+        transport=get("AFDEP_TRANSPORT", environ),
+        check_inputs=get("AFDEP_CHECK_INPUTS", environ),
+        roles=get("AFDEP_ROLES", environ),
+        trace=get("AFDEP_TRACE", environ),
+        debug=get("AFDEP_DEBUG", environ),
+    )
+
+
+_CURRENT: Optional[Values] = None
+
+
+def current() -> Values:
+    """This process's run-time settings, parsed on first use and kept."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = read()
+    return _CURRENT
+
+
+def reset() -> None:
+    """Forget the parsed settings; the next ``current()`` reads the environment again."""
+    global _CURRENT
+    _CURRENT = None
+
+
+__all__ = ["Setting", "SETTINGS", "CONTROLS", "SYMMETRIC", "ALL_ROLE_AWARE", "DEFAULT_FLAGS",
+           "parse", "get", "protocol_flags", "describe_flags", "unknown", "Values", "read",
+           "current", "reset"]
