@@ -48,8 +48,8 @@ class Config:
         attention_ranks: A, ranks that route tokens.
         dtype: dispatch payload dtype, ``torch.bfloat16`` or ``torch.float8_e4m3fn``
             (pre-quantized by the caller, with per-128 float32 scales). Combine is BF16.
-        roles: optional explicit role per group rank (``"attention"`` / ``"ffn"``), length
-            A + F. Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
+        roles: optional explicit role per group rank, length A + F, in any spelling
+            ``parse_roles`` takes (``"FFAA"``, ``["ffn", "attention"]``, ...). Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
         num_sms: CUDA only: S, the CTAs (channels) of the Attention's dispatch kernel (of
             every kernel when the protocol controls are reverted).
         local_sms: CUDA only: CTAs of the kernels that mostly do local work: the FFN ranks'
@@ -106,16 +106,13 @@ class Config:
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
         if self.roles is not None:
-            roles = tuple(self.roles)
+            roles = parse_roles(self.roles)
             object.__setattr__(self, "roles", roles)
             if len(roles) != self.world_size:
                 raise ValueError(
                     f"roles must have attention_ranks + ffn_ranks = {self.world_size} "
                     f"entries, got {len(roles)}"
                 )
-            bad = [r for r in roles if r not in ROLES]
-            if bad:
-                raise ValueError(f"roles entries must be 'attention' or 'ffn', got {bad[0]!r}")
             if roles.count(FFN) != self.ffn_ranks:
                 raise ValueError(
                     f"roles name {roles.count(FFN)} 'ffn' ranks but ffn_ranks={self.ffn_ranks}"
@@ -200,11 +197,35 @@ class Config:
 
 
 def parse_roles(spec: Sequence[str] | str) -> Tuple[str, ...]:
-    """Accept ``["ffn", "attention", ...]`` or a compact ``"FFAA"`` string."""
+    """Roles of a group's ranks, in group-rank order, from any of their spellings:
+    ``"FFAA"`` (one letter a rank), ``"ffn,ffn,attention,attention"``, or a sequence of
+    ``"ffn"`` / ``"attention"`` (or ``"F"`` / ``"A"``). Returns a tuple of ``"ffn"`` /
+    ``"attention"``; ValueError names the bad entry. (A *layout*, the counts only, is written
+    ``"2A2F"``: see ``parse_layout``.)"""
     if isinstance(spec, str):
-        table = {"A": ATTENTION, "F": FFN}
-        try:
-            return tuple(table[c] for c in spec.upper())
-        except KeyError as e:
-            raise ValueError(f"roles string may hold only 'A' and 'F', got {spec!r}") from e
-    return tuple(spec)
+        text = spec.strip()
+        parts = ([p.strip() for p in text.split(",") if p.strip()] if "," in text
+                 else list(text.replace(" ", "")))
+    else:
+        parts = list(spec)
+    table = {"a": ATTENTION, "attention": ATTENTION, "f": FFN, "ffn": FFN}
+    roles = []
+    for p in parts:
+        r = table.get(p.lower()) if isinstance(p, str) else None
+        if r is None:
+            raise ValueError(f"roles entries must be 'attention'/'A' or 'ffn'/'F', got {p!r} "
+                             f"(in {spec!r}; e.g. 'FFAA' or ['ffn', 'attention'])")
+        roles.append(r)
+    return tuple(roles)
+
+
+def parse_layout(spec: str) -> Tuple[int, int]:
+    """``"2A2F"`` (Attention ranks, then FFN ranks) -> (attention_ranks, ffn_ranks). The
+    default role order of such a layout puts the FFN ranks first (``Config.role_list``)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*[aA]\s*(\d+)\s*[fF]\s*", str(spec))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"layout must look like '2A2F' (Attention ranks, then FFN ranks, "
+                         f"each >= 1), got {spec!r}")
+    return int(m.group(1)), int(m.group(2))

@@ -25,7 +25,6 @@ Roles of a new afdep group, first match wins:
 from __future__ import annotations
 
 import copy
-import os
 import re
 import threading
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -33,7 +32,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..config import ATTENTION, FFN, ROLES, parse_roles
+from .. import env as afdep_env
+from ..config import ATTENTION, FFN, parse_roles
 
 _REBUILD = "pip install --no-build-isolation --no-deps -e ."
 
@@ -80,13 +80,8 @@ _roles_by_group: Dict[str, Tuple[str, ...]] = {}
 
 
 def _parse_role_spec(spec: RolesSpec) -> Tuple[str, ...]:
-    """``"FFAA"``, ``"ffn,ffn,attention,attention"`` or a sequence of role names."""
-    if isinstance(spec, str) and "," in spec:
-        spec = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    """Roles in any spelling ``torch_afdep.parse_roles`` takes; at least one rank."""
     roles = parse_roles(spec)
-    bad = [r for r in roles if r not in ROLES]
-    if bad:
-        raise ValueError(f"roles entries must be 'attention' or 'ffn', got {bad[0]!r}")
     if not roles:
         raise ValueError("roles must name at least one rank")
     return roles
@@ -148,7 +143,7 @@ def resolve_roles(
                 f"{size} ranks"
             )
         return options.roles
-    spec = os.environ.get(ROLES_ENV, "").strip()
+    spec = afdep_env.get(ROLES_ENV).strip()
     if spec:
         try:
             roles = _parse_role_spec(spec)
