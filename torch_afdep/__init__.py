@@ -6,15 +6,16 @@ Attention ranks and ``worker_receive`` / ``worker_reply`` on FFN ranks. Ops:
 backend ``"afdep"`` is registered on import. Contract: docs/contract.md.
 """
 
-from .config import ATTENTION, FFN, Config, parse_roles
+from .config import ATTENTION, FFN, Config, parse_layout, parse_roles
 from .errors import AfdepError, AfdepRouteError, AfdepStateError, AfdepTimeoutError
-from .ops import Receipt, Received, afd_combine, afd_dispatch, afd_receive, afd_reply
+from .types import Receipt, Received
+from .functional import afd_combine, afd_dispatch, afd_receive, afd_reply
 from .buffer import Buffer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ATTENTION", "FFN", "Config", "parse_roles", "Buffer", "Received", "Receipt",
+    "ATTENTION", "FFN", "Config", "parse_roles", "parse_layout", "Buffer", "Received", "Receipt",
     "afd_dispatch", "afd_combine", "afd_receive", "afd_reply",
     "AfdepError", "AfdepRouteError", "AfdepStateError", "AfdepTimeoutError",
 ]

@@ -19,9 +19,14 @@ class AfdepTimeoutError(AfdepError):
         self.rank = rank
 
 
-class AfdepRouteError(AfdepError):
-    """The device saw an expert id outside [-1, num_experts) (e.g. inside a graph replay);
-    the offending entries were skipped, nothing was written out of bounds."""
+class AfdepRouteError(AfdepError, ValueError):
+    """An expert id outside [-1, num_experts) (or another routing value out of range).
+
+    Raised before anything is sent wherever the values can be read (eager calls, and the CPU
+    path inside compiled code too); inside CUDA graph replays the kernels skip the offending
+    entries (nothing is written out of bounds) and the next op on that slot raises it. A
+    ``ValueError``, so ``except ValueError`` catches it on every path. The buffer stays
+    usable."""
 
 
 class AfdepStateError(AfdepError):

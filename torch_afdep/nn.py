@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import reference as _ref
 from .config import ATTENTION, FFN, FP8_BLOCK, Config
-from .ops import afd_combine, afd_dispatch, afd_receive, afd_reply
+from .functional import afd_combine, afd_dispatch, afd_receive, afd_reply
 
 METHODS = ("auto", "grouped", "dense", "loop")
 

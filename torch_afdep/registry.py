@@ -1,4 +1,5 @@
-"""Open buffers by (group name, buffer id): how the ops find their state from a group name."""
+"""Open buffers by (group name, buffer id): how the ops, given a group name, find the buffer's
+``slots.Slots`` (its transports and per-slot state)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ def next_id(group_name: str) -> int:
     return i
 
 
-def add(buf) -> None:
-    _BUFFERS[(buf.group_name, buf.buffer_id)] = buf
+def add(slots) -> None:
+    _BUFFERS[(slots.group_name, slots.buffer_id)] = slots
 
 
-def remove(buf) -> None:
-    _BUFFERS.pop((buf.group_name, buf.buffer_id), None)
+def remove(slots) -> None:
+    _BUFFERS.pop((slots.group_name, slots.buffer_id), None)
 
 
 def lookup(group_name: str, buffer_id: int):

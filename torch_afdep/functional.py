@@ -1,0 +1,128 @@
+"""The functional form of the exchange: validated calls of ``torch.ops.afdep.*`` that keep no
+Python state of their own, so they trace under ``torch.compile(fullgraph=True)`` and capture
+in CUDA graphs. They need an open ``Buffer`` on the group (created eagerly, before any
+compiled region); ``group`` may be a ProcessGroup, its ``group_name``, or None (the default
+group), and ``buffer_id`` picks among several open buffers of one group.
+
+Attention ranks call ``afd_dispatch`` then ``afd_combine``; FFN ranks ``afd_receive`` then
+``afd_reply``, each on the same micro-batch ``slot``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.afdep.*)
+from . import registry, validate
+from .config import ATTENTION, FFN
+from .types import Receipt, Received
+
+
+def _group_name(group) -> str:
+    if isinstance(group, str):
+        return group
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def _slots(group, buffer_id, role: str, what: str):
+    slots = registry.resolve(_group_name(group), buffer_id)
+    slots.require_role(role, what)
+    return slots
+
+
+def afd_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, *,
+                 group=None, bucket: int, x_scales: Optional[torch.Tensor] = None,
+                 buffer_id: Optional[int] = None, slot: int = 0) -> torch.Tensor:
+    """Attention: send this rank's tokens to the FFN ranks that hold their experts.
+
+    Arguments:
+        x: [T, H] ``config.dtype`` (bfloat16, or float8_e4m3fn pre-quantized per 128).
+        expert_ids: [T, top_k] int32 or int64 global expert ids in [0, E), or -1.
+        weights: [T, top_k] float32 routing weights (applied by the FFN-side caller).
+        bucket: static token bucket, T <= bucket <= capacity; the same on every rank.
+        x_scales: [T, H/128] float32, FP8 only.
+        slot: micro-batch slot in [0, num_slots).
+    Returns:
+        route: [T] int64 (bit f: the token reached FFN index f); pass it to ``afd_combine``
+        on the same slot.
+    """
+    slots = _slots(group, buffer_id, ATTENTION, "afd_dispatch")
+    slots.config.check_slot(validate.check_int("slot", slot))
+    validate.dispatch_args(slots.config, slots.device, x, expert_ids, weights, x_scales,
+                           bucket)
+    return torch.ops.afdep.dispatch(slots.state, x, expert_ids, weights, x_scales,
+                                    slots.group_name, slots.buffer_id, bucket, slot)
+
+
+def afd_combine(route: torch.Tensor, *, group=None, buffer_id: Optional[int] = None,
+                slot: int = 0) -> torch.Tensor:
+    """Attention: receive and sum the FFN ranks' replies of ``slot``.
+
+    Arguments:
+        route: [T] int64 from ``afd_dispatch`` on the same slot.
+    Returns:
+        out: [T, H] bfloat16, the fp32 sum of every FFN rank's reply row of each token
+        (zero for tokens without a valid expert).
+    """
+    slots = _slots(group, buffer_id, ATTENTION, "afd_combine")
+    slots.config.check_slot(validate.check_int("slot", slot))
+    validate.route(slots.config, slots.device, route)
+    return torch.ops.afdep.combine(slots.state, route, slots.group_name, slots.buffer_id,
+                                   slot)
+
+
+def package(slots, bucket: int, outs, sequence: int, slot: int) -> Received:
+    """The nine outputs of ``afdep::receive`` as a ``Received`` with its ``Receipt``."""
+    x, x_scales, weights, offsets, src_rank, src_token, token_rows, token_index, num = outs
+    receipt = Receipt(token_rows, token_index, num, sequence, bucket, slots.key, slot)
+    return Received(x, x_scales if slots.config.scale_cols else None, weights, offsets,
+                    src_rank, src_token, receipt)
+
+
+def afd_receive(*, group=None, bucket: int, buffer_id: Optional[int] = None,
+                sequence: int = 0, slot: int = 0) -> Received:
+    """FFN: receive every Attention rank's tokens of ``slot``, expanded expert-major.
+
+    Arguments:
+        bucket: the bucket every Attention rank dispatched with.
+        sequence: stamped into the receipt as ``Receipt.sequence`` (the role API stamps its
+            receive count there and refuses stale receipts; the functional form keeps no
+            count, so the caller may pass its own step number or leave 0).
+        slot: micro-batch slot.
+    Returns:
+        a ``Received`` (shapes in ``torch_afdep.types.Received``); its ``receipt`` goes to
+        ``afd_reply``.
+    """
+    slots = _slots(group, buffer_id, FFN, "afd_receive")
+    slots.config.check_slot(validate.check_int("slot", slot))
+    validate.receive_args(slots.config, bucket)
+    outs = torch.ops.afdep.receive(slots.state, slots.group_name, slots.buffer_id, bucket,
+                                   slot)
+    return package(slots, bucket, outs, sequence, slot)
+
+
+def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
+              buffer_id: Optional[int] = None, slot: Optional[int] = None) -> torch.Tensor:
+    """FFN: send each token's expert outputs back, one fp32-summed BF16 row per token.
+
+    Arguments:
+        rows: [A*bucket*R, H] bfloat16; row i is the expert output of ``Received.x[i]``
+            already multiplied by ``Received.weights[i]``; rows past ``expert_offsets[-1]``
+            are ignored.
+        receipt: ``Received.receipt`` of the exchange; ``slot``, when given, must be its slot.
+    Returns:
+        an empty [0] int32 dependency token.
+    """
+    slots = _slots(group, buffer_id, FFN, "afd_reply")
+    slot = validate.reply_args(slots.config, slots.device, slots.key, rows, receipt, slot)
+    return torch.ops.afdep.reply(slots.state, rows, receipt.token_rows, receipt.token_index,
+                                 receipt.num_tokens, slots.group_name, slots.buffer_id, slot)
+
+
+__all__ = ["afd_dispatch", "afd_combine", "afd_receive", "afd_reply"]

@@ -1,0 +1,268 @@
+"""CPU implementation of the exchange over gloo point-to-point messages.
+
+Directional, like the CUDA path: in dispatch Attention ranks only send and FFN ranks only
+receive; in combine the reverse. Per (Attention a, FFN f) pair and exchange:
+
+- dispatch: a -> f a header ``[1] int64`` (tokens n) and, when n > 0, one ``[n, B] uint8``
+  blob; each token's B bytes are its payload row, its FP8 scales, its source token index and
+  its ``R`` local expert ids and weights;
+- combine: f -> a ``[n, H]`` BF16 rows (as int16), one per token a sent to f, in the order a
+  sent them; a already knows n from its own routing, so no counts flow back.
+
+Gloo delivers messages of one (pair, tag) in order, so consecutive exchanges never mix.
+Every micro-batch slot of a buffer has its own ``CpuTransport`` with its own tag range
+(``tag_base``: buffer id and slot, ``_TAGS_PER_SLOT`` tags each; ranges of different buffers
+and slots never overlap, and process groups have separate gloo contexts), so exchanges in
+different slots can be in flight at once and complete in any order. Sends complete in the
+background; a transport finishes its pending sends before it starts its next phase (only its
+own slot's). Every wait is bounded by ``Config.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import reference as ref
+from ..config import MAX_SLOTS, Config
+from ..errors import AfdepTimeoutError
+from ..validate import check_expert_id_values
+from .base import Transport
+
+_TAG_BASE = 0x5AF0
+_TAGS_PER_SLOT = 4
+_DISPATCH_HEADER, _DISPATCH_BLOB, _COMBINE = 0, 1, 2
+
+
+def tag_base(buffer_id: int, slot: int) -> int:
+    """First gloo tag of (buffer, slot) on its group; the range is ``_TAGS_PER_SLOT`` tags.
+
+    Every buffer reserves ``MAX_SLOTS`` ranges whatever its ``num_slots``, so ranges of
+    different buffers and slots are disjoint."""
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
+    return _TAG_BASE + (buffer_id * MAX_SLOTS + slot) * _TAGS_PER_SLOT
+
+
+def local_routes(config: Config, expert_ids: torch.Tensor, weights: torch.Tensor, f: int):
+    """``reference.compact_local_routes`` for FFN index ``f`` of ``config``."""
+    return ref.compact_local_routes(expert_ids, weights, f, config.experts_per_rank,
+                                    config.rows_per_token)
+
+
+class CpuTransport(Transport):
+    """The CPU exchange of one slot of one Buffer (``base.Transport``)."""
+
+    def __init__(self, config: Config, group_rank: int, group, buffer_id: int, slot: int = 0):
+        self.config = config
+        self.rank = group_rank
+        self.group = group
+        self.role = config.role_of(group_rank)
+        self.slot = slot
+        self._tag0 = tag_base(buffer_id, slot)
+        self._pending: List = []
+        self._view: Optional[torch.Tensor] = None  # combine_view's [C, H] result buffer
+        self._timeout = datetime.timedelta(seconds=float(config.timeout_s))
+        h, s = config.hidden_size, config.scale_cols
+        self._payload_bytes = h * torch.empty(0, dtype=config.dtype).element_size()
+        self._scale_bytes = 4 * s
+        self._token_bytes = (
+            self._payload_bytes + self._scale_bytes + 4 + 8 * config.rows_per_token
+        )
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    @property
+    def registered_bytes(self) -> int:
+        return 0  # messages, not registered memory
+
+    @property
+    def union_bytes(self) -> int:
+        return 0
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _wait(self, work, peer: int, phase: str) -> None:
+        try:
+            ok = work.wait(self._timeout)
+        except RuntimeError as e:
+            what = (f"lost its connection to group rank {peer}" if "Connection closed" in str(e)
+                    else f"waited more than {self.config.timeout_s} s for group rank {peer}")
+            raise AfdepTimeoutError(f"rank {self.rank}: {phase} {what} ({e})", peer=peer,
+                                    phase=phase, rank=self.rank) from e
+        if ok is False:
+            raise AfdepTimeoutError(
+                f"rank {self.rank}: {phase} waited more than {self.config.timeout_s} s for "
+                f"group rank {peer}", peer=peer, phase=phase, rank=self.rank)
+
+    def _finish_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, peer, phase, _keep in pending:
+            self._wait(work, peer, phase)
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int, phase: str) -> None:
+        work = dist.isend(t, self._global(peer), group=self.group, tag=self._tag0 + tag)
+        self._pending.append((work, peer, phase, t))
+
+    def _irecv(self, t: torch.Tensor, peer: int, tag: int):
+        return dist.irecv(t, self._global(peer), group=self.group, tag=self._tag0 + tag)
+
+    def check_error(self) -> None:
+        pass  # CPU errors raise where they happen
+
+    def close(self, clean: bool = True) -> None:
+        """Finish pending sends; after a failure (``clean=False``) drop them instead, so a
+        dead peer cannot make close hang."""
+        if clean:
+            self._finish_sends()
+        else:
+            self._pending = []
+
+    # ---- Attention side ---------------------------------------------------------------
+    def dispatch(self, x, expert_ids, weights, x_scales, bucket: int, route) -> None:
+        cfg = self.config
+        # The values are on the host here, eager or compiled: refuse before sending anything.
+        check_expert_id_values(expert_ids, cfg.num_experts)
+        self._finish_sends()
+        route.copy_(ref.route_mask(cfg, expert_ids))
+        for f, peer in enumerate(cfg.ffn_group_ranks):
+            local_ids, local_w, hits = local_routes(cfg, expert_ids, weights, f)
+            toks = hits.nonzero().flatten()
+            n = int(toks.numel())
+            self._isend(torch.tensor([n], dtype=torch.int64), peer, _DISPATCH_HEADER,
+                        "dispatch")
+            if n == 0:
+                continue
+            parts = [x[toks].contiguous().view(torch.uint8).reshape(n, -1)]
+            if x_scales is not None and cfg.scale_cols:
+                parts.append(x_scales[toks].contiguous().view(torch.uint8).reshape(n, -1))
+            parts.append(toks.to(torch.int32).view(torch.uint8).reshape(n, 4))
+            parts.append(local_ids[toks].view(torch.uint8).reshape(n, -1))
+            parts.append(local_w[toks].view(torch.uint8).reshape(n, -1))
+            blob = torch.cat(parts, dim=1).contiguous()
+            assert blob.shape[1] == self._token_bytes
+            self._isend(blob, peer, _DISPATCH_BLOB, "dispatch")
+
+    def combine(self, route, out) -> None:
+        cfg = self.config
+        self._finish_sends()
+        acc = torch.zeros(out.shape, dtype=torch.float32)
+        recvs = []
+        for f, peer in enumerate(cfg.ffn_group_ranks):
+            toks = ((route >> f) & 1).nonzero().flatten()
+            if toks.numel() == 0:
+                continue
+            buf = torch.empty(toks.numel(), cfg.hidden_size, dtype=torch.int16)
+            recvs.append((self._irecv(buf, peer, _COMBINE), peer, toks, buf))
+        for work, peer, toks, buf in recvs:
+            self._wait(work, peer, "combine")
+            acc.index_add_(0, toks, buf.view(torch.bfloat16).to(torch.float32))
+        out.copy_(acc.to(torch.bfloat16))
+
+    def combine_view(self, route) -> torch.Tensor:
+        """One FFN rank: the combine result in this transport's own [C, H] buffer, returned as
+        rows [0, T) (overwritten by the next combine_view: the CUDA view's lifetime)."""
+        if self._view is None:
+            c = self.config
+            self._view = torch.empty(c.capacity_tokens_per_rank, c.hidden_size,
+                                     dtype=torch.bfloat16)
+        out = self._view[:route.shape[0]]
+        self.combine(route, out)
+        return out
+
+    # ---- FFN side ---------------------------------------------------------------------
+    def receive(self, bucket: int, x, x_scales, weights, expert_offsets, src_rank,
+                src_token, token_rows, token_index, num_tokens) -> None:
+        cfg = self.config
+        self._finish_sends()
+        a_ranks = cfg.attention_group_ranks
+        headers = [torch.zeros(1, dtype=torch.int64) for _ in a_ranks]
+        works = [self._irecv(hd, peer, _DISPATCH_HEADER) for hd, peer in zip(headers, a_ranks)]
+        for w, peer in zip(works, a_ranks):
+            self._wait(w, peer, "dispatch")
+        counts = [int(hd.item()) for hd in headers]
+        for a, n in enumerate(counts):
+            if n > bucket:
+                raise RuntimeError(
+                    f"rank {self.rank}: Attention group rank {a_ranks[a]} sent {n} tokens "
+                    f"into a bucket of {bucket}: every rank must use the same bucket")
+        blobs = [torch.empty(n, self._token_bytes, dtype=torch.uint8) for n in counts]
+        works = [(self._irecv(b, peer, _DISPATCH_BLOB), peer)
+                 for b, peer, n in zip(blobs, a_ranks, counts) if n > 0]
+        for w, peer in works:
+            self._wait(w, peer, "dispatch")
+
+        r, h, el = cfg.rows_per_token, cfg.hidden_size, cfg.experts_per_rank
+        pb, sb = self._payload_bytes, self._scale_bytes
+        tok_x, tok_s, tok_idx, tok_ids, tok_w, tok_src = [], [], [], [], [], []
+        for a, (blob, n) in enumerate(zip(blobs, counts)):
+            if n == 0:
+                continue
+            o = 0
+            tok_x.append(blob[:, o:o + pb].contiguous().view(cfg.dtype).reshape(n, h))
+            o += pb
+            if sb:
+                tok_s.append(blob[:, o:o + sb].contiguous().view(torch.float32))
+                o += sb
+            tok_idx.append(blob[:, o:o + 4].contiguous().view(torch.int32).flatten())
+            o += 4
+            tok_ids.append(blob[:, o:o + 4 * r].contiguous().view(torch.int32))
+            o += 4 * r
+            tok_w.append(blob[:, o:o + 4 * r].contiguous().view(torch.float32))
+            tok_src.append(torch.full((n,), a, dtype=torch.int64))
+            token_index[a, :n] = tok_idx[-1]
+
+        num_tokens.copy_(torch.tensor(counts, dtype=torch.int32))
+        # Padding gets defined values on CPU (the contract leaves it unspecified).
+        src_rank.fill_(-1)
+        src_token.fill_(-1)
+        token_rows.fill_(-1)
+        token_index[:, :].masked_fill_(
+            torch.arange(bucket)[None, :] >= torch.tensor(counts)[:, None], -1)
+        weights.zero_()
+        if x_scales.numel():
+            x_scales.zero_()
+        x.view(torch.uint8).zero_()
+        if not tok_x:
+            expert_offsets.zero_()
+            return
+        all_x = torch.cat(tok_x)
+        all_ids = torch.cat(tok_ids)  # [N, R]
+        all_w = torch.cat(tok_w)
+        all_src = torch.cat(tok_src)  # Attention index per token
+        all_idx = torch.cat(tok_idx)
+        slot = torch.cat([torch.arange(n) for n in counts if n > 0])
+        tok, j = (all_ids >= 0).nonzero(as_tuple=True)  # one row per (token, local expert)
+        e = all_ids[tok, j].to(torch.int64)
+        # Expert-major, then (source, slot, j): a stable sort by expert keeps the rest.
+        order = torch.argsort(e, stable=True)
+        tok, j, e = tok[order], j[order], e[order]
+        nrows = tok.numel()
+        x[:nrows] = all_x[tok]
+        if x_scales.numel():
+            x_scales[:nrows] = torch.cat(tok_s)[tok]
+        weights[:nrows] = all_w[tok, j]
+        src_rank[:nrows] = torch.tensor(a_ranks, dtype=torch.int32)[all_src[tok]]
+        src_token[:nrows] = all_idx[tok]
+        token_rows[all_src[tok], slot[tok], j] = torch.arange(nrows, dtype=torch.int32)
+        counts_e = torch.bincount(e, minlength=el)
+        expert_offsets[0] = 0
+        expert_offsets[1:] = torch.cumsum(counts_e, 0).to(torch.int32)
+
+    def reply(self, rows, token_rows, token_index, num_tokens) -> None:
+        cfg = self.config
+        self._finish_sends()
+        for a, peer in enumerate(cfg.attention_group_ranks):
+            n = int(num_tokens[a].item())
+            if n == 0:
+                continue
+            tr = token_rows[a, :n].to(torch.int64)  # [n, R]
+            valid = tr >= 0
+            gathered = rows[tr.clamp(min=0)].to(torch.float32)  # [n, R, H]
+            # where(), not a multiply: a NaN in an unused row must not leak in.
+            summed = torch.where(valid[:, :, None], gathered, 0.0).sum(dim=1)
+            self._isend(summed.to(torch.bfloat16).view(torch.int16).contiguous(), peer,
+                        _COMBINE, "combine")
