@@ -1,31 +1,29 @@
 """Build torch_afdep: the c10d backend (`torch_afdep._C`) and, where nvcc exists, the CUDA
 transport and kernels (`torch_afdep._cuda`).
 
-Environment:
-    AFDEP_BUILD_CUDA=0/1   force the CUDA extension off/on (default: on when nvcc is found)
-    AFDEP_CUDA_ARCH        nvcc -gencode targets (default: sm_90a)
+Build-time environment (documented, with every other AFDEP_* variable, in torch_afdep/env.py,
+which this file loads by path so that building never imports the package):
+    AFDEP_BUILD_CUDA=auto/0/1   the CUDA extension: on when nvcc is found / off / on
+    AFDEP_CUDA_ARCH, AFDEP_NCCL, AFDEP_NCCL_HOME, AFDEP_PTXAS_V   see csrc/cuda_build.py
 """
 
 import os
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "csrc"))
+import cuda_build  # noqa: E402  (csrc/cuda_build.py: stdlib only at import)
 
-
-def _rel(*parts):
-    return os.path.join("csrc", *parts)
+ENV = cuda_build.load_env()
 
 
 def backend_extension():
     """The c10d backend: a C++ c10d::Backend that knows roles and delegates collectives."""
-    return CppExtension(
-        name="torch_afdep._C",
-        sources=[_rel("bindings", "c10d_backend.cpp")],
-        extra_compile_args={"cxx": ["-O2", "-std=c++17"]},
-    )
+    return CppExtension(name="torch_afdep._C", **cuda_build.backend_extension_args(ROOT))
 
 
 def _find_cuda_home():
@@ -41,19 +39,13 @@ def _find_cuda_home():
 def cuda_extension():
     """The CUDA transport and kernels. Plain CUDA runtime + pybind11: no torch CUDA headers,
     so it also builds beside a CPU-only torch (CI compiles it that way)."""
-    want = os.environ.get("AFDEP_BUILD_CUDA")
+    want = ENV.get("AFDEP_BUILD_CUDA")
     cuda_home = _find_cuda_home()
-    if want == "0" or (want is None and cuda_home is None):
+    if want == "0" or (want == "auto" and cuda_home is None):
         return None
     if cuda_home is None:
         raise RuntimeError("AFDEP_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME)")
-    import sys
-
-    sys.path.insert(0, os.path.join(ROOT, "csrc"))
-    from cuda_build import make_cuda_extension  # csrc/cuda_build.py
-
-
-    return make_cuda_extension(ROOT, cuda_home)
+    return cuda_build.make_cuda_extension(ROOT, cuda_home)
 
 
 ext_modules = [backend_extension()]

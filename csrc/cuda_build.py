@@ -1,30 +1,70 @@
-"""Build description of torch_afdep's CUDA extension (``torch_afdep._cuda``).
+"""Build description of torch_afdep's extensions, shared by setup.py and the in-place
+fallback build of scripts/gpu_suite.sh.
 
-Plain CUDA runtime + pybind11: no torch CUDA headers or libraries, so it compiles beside a
-CPU-only torch too. setup.py calls ``make_cuda_extension(root, cuda_home)`` and builds the
-result with torch's BuildExtension (ninja), which compiles the ``.cu`` sources with nvcc.
+``torch_afdep._C`` (the c10d backend) is an ordinary torch CppExtension:
+``backend_extension_args(root)``. ``torch_afdep._cuda`` is plain CUDA runtime + pybind11: no
+torch CUDA headers or libraries, so it compiles beside a CPU-only torch too;
+``make_cuda_extension(root, cuda_home)`` returns it for torch's BuildExtension (ninja), which
+compiles the ``.cu`` sources with nvcc.
 
-Environment:
+Build-time variables are read through torch_afdep/env.py (``load_env``), which documents them:
     AFDEP_NCCL=0, AFDEP_NCCL_HOME   see ``find_nccl`` (the optional NCCL transport)
     AFDEP_CUDA_ARCH   nvcc target flags, e.g. "-gencode=arch=compute_90a,code=sm_90a" (the
                       default) or a ';'/space separated list of such flags.
+    AFDEP_PTXAS_V=1   ptxas prints register and spill counts.
+
+Importing this file needs only the standard library (torch and pybind11 are imported when an
+extension is described).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 DEFAULT_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
+#: torch_afdep._C: the c10d backend class and its pybind module.
+BACKEND_SOURCES = [
+    "csrc/c10d/backend.cpp",
+]
+
+#: torch_afdep._cuda: host side (csrc/host), kernels (csrc/kernels) and its pybind module.
 SOURCES = [
     "csrc/bindings/cuda_module.cpp",
-    "csrc/core/comm.cpp",
-    "csrc/core/transport_ipc.cpp",
-    "csrc/core/transport_nccl.cu",
+    "csrc/host/comm.cpp",
+    "csrc/host/transport_ipc.cpp",
+    "csrc/host/transport_nccl.cu",
     "csrc/kernels/dispatch.cu",
     "csrc/kernels/combine.cu",
     "csrc/kernels/probe.cu",
 ]
+
+#: The repository root (this file is csrc/cuda_build.py).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_ENV = None
+
+
+def load_env():
+    """torch_afdep/env.py, the registry of every AFDEP_* variable, loaded by path: building
+    must not import the torch_afdep package (it needs the extensions being built)."""
+    global _ENV
+    if _ENV is None:
+        path = os.path.join(ROOT, "torch_afdep", "env.py")
+        spec = importlib.util.spec_from_file_location("_torch_afdep_build_env", path)
+        _ENV = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_ENV)
+    return _ENV
+
+
+def backend_extension_args(root: str) -> dict:
+    """Keyword arguments of torch's CppExtension for ``torch_afdep._C``."""
+    return {
+        "sources": BACKEND_SOURCES,  # relative to setup.py's directory, as setuptools expects
+        "include_dirs": [os.path.join(root, "csrc")],
+        "extra_compile_args": {"cxx": ["-O2", "-std=c++17"]},
+    }
 
 
 def find_nccl():
@@ -34,13 +74,11 @@ def find_nccl():
     else the nvidia-nccl-cu13 wheel beside torch (what torch loads at run time). The system's
     /usr/include/nccl.h is never used: its version rarely matches the library torch loads.
     ``AFDEP_NCCL=0`` builds without the NCCL transport."""
-    import importlib.util
-
-    if os.environ.get("AFDEP_NCCL", "1") == "0":
+    if not load_env().get("AFDEP_NCCL"):
         return None
     roots = []
-    if os.environ.get("AFDEP_NCCL_HOME"):
-        roots.append(os.environ["AFDEP_NCCL_HOME"])
+    if load_env().get("AFDEP_NCCL_HOME"):
+        roots.append(load_env().get("AFDEP_NCCL_HOME"))
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
         roots += list(spec.submodule_search_locations or []) if spec else []
@@ -55,7 +93,7 @@ def find_nccl():
 
 
 def arch_flags() -> list:
-    spec = os.environ.get("AFDEP_CUDA_ARCH", DEFAULT_ARCH)
+    spec = load_env().get("AFDEP_CUDA_ARCH") or DEFAULT_ARCH
     return [f for f in spec.replace(";", " ").split() if f]
 
 
@@ -86,7 +124,7 @@ def make_cuda_extension(root: str, cuda_home: str):
         cpp_ext.CUDA_HOME = cuda_home
 
     inc = [
-        os.path.join(root, "csrc"),
+        os.path.join(root, "csrc", "include"),
         pybind11.get_include(),
         os.path.join(cuda_home, "include"),
     ]
@@ -100,6 +138,7 @@ def make_cuda_extension(root: str, cuda_home: str):
         common.append("-DAFDEP_WITH_NCCL")
         libdirs.append(nccl[1])
         link = ["-l:libnccl.so.2"]
+    ptxas = "-Xptxas=-v" if load_env().get("AFDEP_PTXAS_V") else "-DAFDEP_QUIET"
     return Extension(
         name="torch_afdep._cuda",
         sources=SOURCES,  # relative to setup.py's directory, as setuptools expects
@@ -111,7 +150,6 @@ def make_cuda_extension(root: str, cuda_home: str):
         language="c++",
         extra_compile_args={
             "cxx": common + ["-fvisibility=hidden"],
-            "nvcc": common + arch_flags() + ["-lineinfo", "--expt-relaxed-constexpr",
-                                             "-Xptxas=-v" if os.environ.get("AFDEP_PTXAS_V") else "-DAFDEP_QUIET"],
+            "nvcc": common + arch_flags() + ["-lineinfo", "--expt-relaxed-constexpr", ptxas],
         },
     )

@@ -5,8 +5,8 @@
 
 #include <cuda_runtime.h>
 
-#include "core/comm.h"
-#include "core/launch.h"
+#include "afdep/comm.h"
+#include "afdep/launch.h"
 
 namespace py = pybind11;
 using afdep::Comm;

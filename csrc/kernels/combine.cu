@@ -1,8 +1,10 @@
+// This kernel serves both the FFN's reply (Comm::reply) and the Attention's collect
+// (Comm::combine, Comm::combine_in_place).
 // Combine phase: each FFN rank sums the rows of one token in fp32 and stores one BF16 row per
 // (token, FFN rank) into the token's Attention rank, indexed by the original token index;
 // Attention ranks sum the <= F rows of each token in fp32. One kernel serves both roles.
-#include "core/launch.h"
-#include "kernels/common.cuh"
+#include "afdep/launch.h"
+#include "common.cuh"
 
 namespace afdep {
 

@@ -7,8 +7,8 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 
-#include "core/layout.h"
-#include "core/args.h"
+#include "afdep/layout.h"
+#include "afdep/args.h"
 
 namespace afdep {
 

@@ -1,8 +1,10 @@
+// This kernel serves both the Attention's dispatch (Comm::dispatch) and the FFN's receive
+// (Comm::receive).
 // Dispatch phase: Attention ranks send each token once per destination FFN rank; FFN ranks
 // expand what arrived into the expert-major layout. One kernel serves both roles; the control
 // flags select the role-aware protocol or the symmetric union baseline (docs/protocol.md).
-#include "kernels/common.cuh"
-#include "core/launch.h"
+#include "common.cuh"
+#include "afdep/launch.h"
 
 namespace afdep {
 

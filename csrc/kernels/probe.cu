@@ -1,8 +1,8 @@
 // Probes: a flag ping-pong between two ranks' windows, the latency term of the benchmarks'
 // data-movement floor (one thread per side; nothing else runs in it), and a one-thread
 // %globaltimer stamp that benchmarks.trace puts on the stream around a graph replay.
-#include "core/launch.h"
-#include "kernels/common.cuh"
+#include "afdep/launch.h"
+#include "common.cuh"
 
 namespace afdep {
 

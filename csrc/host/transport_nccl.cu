@@ -5,7 +5,7 @@
 //
 // Built only when setup found the NCCL headers (AFDEP_WITH_NCCL); the device API has no ABI
 // promise before NCCL 2.31, so the loaded libnccl must be exactly the headers' version.
-#include "core/transport.h"
+#include "afdep/transport.h"
 
 #include <cuda_runtime.h>
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "core/args.h"
-#include "core/layout.h"
-#include "core/transport.h"
+#include "afdep/args.h"
+#include "afdep/layout.h"
+#include "afdep/transport.h"
 
 namespace afdep {
 

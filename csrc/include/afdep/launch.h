@@ -1,11 +1,11 @@
-// Host-side entry points of the kernels (compiled by nvcc, called from csrc/core/comm.cpp).
+// Host-side entry points of the kernels (compiled by nvcc, called from csrc/host/comm.cpp).
 #pragma once
 
 #include <cstddef>
 #include <cuda_runtime.h>
 
-#include "core/args.h"
-#include "core/layout.h"
+#include "afdep/args.h"
+#include "afdep/layout.h"
 
 namespace afdep {
 

@@ -1,4 +1,4 @@
-#include "core/comm.h"
+#include "afdep/comm.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "core/launch.h"
+#include "afdep/launch.h"
 
 namespace afdep {
 

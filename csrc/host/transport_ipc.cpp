@@ -6,7 +6,7 @@
 
 #include <cuda_runtime.h>
 
-#include "core/transport.h"
+#include "afdep/transport.h"
 
 namespace afdep {
 
