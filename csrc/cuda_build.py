@@ -27,6 +27,7 @@ DEFAULT_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 #: torch_afdep._C: the c10d backend class and its pybind module.
 BACKEND_SOURCES = [
     "csrc/c10d/backend.cpp",
+    "csrc/bindings/c10d_module.cpp",
 ]
 
 #: torch_afdep._cuda: host side (csrc/host), kernels (csrc/kernels) and its pybind module.
