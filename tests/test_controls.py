@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_afdep import controls
+from torch_afdep import controls, env
 
 
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
@@ -37,15 +37,12 @@ def test_bad_value_names_the_variable():
 
 
 def test_bits_match_the_cuda_extension():
-    """The kernels read the same bits (csrc/core/layout.h ControlFlags); CI builds _cuda."""
+    """env.CONTROLS and the kernels' ControlFlags (csrc/include/afdep/layout.h, exported as
+    _cuda.CONTROL_BITS) name the same bits; CI builds _cuda."""
     cuda = pytest.importorskip("torch_afdep._cuda")
-    names = {"AFDEP_ROLE_BUFFERS": "ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER": "NO_ENTRY_BARRIER",
-             "AFDEP_ONE_WAY_COUNTS": "ONE_WAY_COUNTS",
-             "AFDEP_RECEIVER_WAIT_ONLY": "RECEIVER_WAIT_ONLY",
-             "AFDEP_ROLE_WARPS": "ROLE_WARPS", "AFDEP_SINGLE_FFN": "SINGLE_FFN",
-             "AFDEP_WIDE_LOCAL": "WIDE_LOCAL", "AFDEP_EARLY_COUNTS": "EARLY_COUNTS",
-             "AFDEP_SIZED_GRID": "SIZED_GRID", "AFDEP_STREAM_EXPANSION": "STREAM_EXPANSION",
-             "AFDEP_PDL": "PDL"}
-    assert set(names) == set(controls.CONTROLS)
-    for env_name, attr in names.items():
-        assert getattr(cuda, attr) == controls.CONTROLS[env_name].bit, env_name
+    python_bits = {name: s.bit for name, s in env.CONTROLS.items()}
+    cpp_bits = {"AFDEP_" + name: bit for name, bit in cuda.CONTROL_BITS.items()}
+    assert python_bits == cpp_bits
+    assert cuda.ALL_ROLE_AWARE == env.ALL_ROLE_AWARE
+    for name, bit in cuda.CONTROL_BITS.items():  # the per-bit attributes older code reads
+        assert getattr(cuda, name) == bit

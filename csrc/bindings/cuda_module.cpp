@@ -14,17 +14,16 @@ using afdep::CommConfig;
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "torch_afdep CUDA transport and kernels (CUDA IPC, one NVLink domain)";
-  m.attr("ROLE_BUFFERS") = (int)afdep::F_ROLE_BUFFERS;
-  m.attr("NO_ENTRY_BARRIER") = (int)afdep::F_NO_ENTRY_BARRIER;
-  m.attr("ONE_WAY_COUNTS") = (int)afdep::F_ONE_WAY_COUNTS;
-  m.attr("RECEIVER_WAIT_ONLY") = (int)afdep::F_RECEIVER_WAIT_ONLY;
-  m.attr("ROLE_WARPS") = (int)afdep::F_ROLE_WARPS;
-  m.attr("SINGLE_FFN") = (int)afdep::F_SINGLE_FFN;
-  m.attr("WIDE_LOCAL") = (int)afdep::F_WIDE_LOCAL;
-  m.attr("EARLY_COUNTS") = (int)afdep::F_EARLY_COUNTS;
-  m.attr("SIZED_GRID") = (int)afdep::F_SIZED_GRID;
-  m.attr("STREAM_EXPANSION") = (int)afdep::F_STREAM_EXPANSION;
-  m.attr("PDL") = (int)afdep::F_PDL;
+  // Every protocol control bit by name, as a dict and (older callers) one attribute each;
+  // both come from layout.h's one list, AFDEP_CONTROL_FLAGS.
+  py::dict control_bits;
+#define AFDEP_CONTROL_EXPORT(name, bit)                  \
+  control_bits[#name] = static_cast<int>(afdep::F_##name); \
+  m.attr(#name) = static_cast<int>(afdep::F_##name);
+  AFDEP_CONTROL_FLAGS(AFDEP_CONTROL_EXPORT)
+#undef AFDEP_CONTROL_EXPORT
+  m.attr("CONTROL_BITS") = control_bits;
+  m.attr("ALL_ROLE_AWARE") = static_cast<int>(afdep::kAllRoleAware);
   m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
@@ -55,7 +54,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def(py::init([](int rank, int device, std::vector<int> is_ffn, int num_sms, int hidden,
                        int elem, int scale_cols, int num_experts, int top_k, int capacity,
                        double timeout_s, unsigned flags, int ffn_ctas, int attn_ctas,
-                       std::string transport) {
+                       std::string transport, bool trace, int debug) {
              CommConfig c;
              c.rank = rank;
              c.device = device;
@@ -72,12 +71,15 @@ PYBIND11_MODULE(_cuda, m) {
              c.ffn_ctas = ffn_ctas;
              c.attn_ctas = attn_ctas;
              c.transport = std::move(transport);
+             c.trace = trace;
+             c.debug = debug;
              return new Comm(c);
            }),
            py::arg("rank"), py::arg("device"), py::arg("is_ffn"), py::arg("num_sms"),
            py::arg("hidden"), py::arg("elem"), py::arg("scale_cols"), py::arg("num_experts"),
            py::arg("top_k"), py::arg("capacity"), py::arg("timeout_s"), py::arg("flags"),
-           py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24, py::arg("transport") = "ipc")
+           py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24, py::arg("transport") = "ipc",
+           py::arg("trace") = false, py::arg("debug") = 0)
       .def("local_handle", [](Comm& c) { return py::bytes(c.local_handle()); })
       .def("open",
            [](Comm& c, const std::vector<py::bytes>& hs) {

@@ -1,6 +1,5 @@
 #include "afdep/comm.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -118,9 +117,8 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   check(cudaHostGetDevicePointer(&ed, eh, 0), "cudaHostGetDevicePointer");
   L.err = static_cast<ErrorBlock*>(ed);
 
-  // Stage trace for diagnostics (benchmarks/trace.py); off unless AFDEP_TRACE is set.
-  const char* tr = std::getenv("AFDEP_TRACE");
-  if (tr && *tr && std::strcmp(tr, "0") != 0) {
+  // Stage trace for diagnostics (benchmarks/trace.py); off unless the config asks for it.
+  if (cfg.trace) {
     const size_t tb = (size_t)kTraceRing * 2 * kTracePts * 8;
     check(cudaMalloc(&trace_, tb), "cudaMalloc(trace)");
     check(cudaMemset(trace_, 0, tb), "cudaMemset(trace)");
@@ -128,8 +126,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   }
 
   // Signal-value printout for debugging a protocol (diagnostics only; never in benchmarks).
-  const char* dbg = std::getenv("AFDEP_DEBUG");
-  L.debug = dbg ? std::atoi(dbg) : 0;
+  L.debug = cfg.debug;
 
   check(dispatch_prepare(L), "cudaFuncSetAttribute(dispatch)");
   if (cfg.transport == "nccl") {

@@ -29,6 +29,10 @@ struct CommConfig {
   double timeout_s = 100.0;
   uint32_t flags = kAllRoleAware;
   std::string transport = "ipc";  // "ipc" (CUDA IPC) or "nccl" (NCCL LSA windows)
+  // Diagnostics, set by the Python side from AFDEP_TRACE / AFDEP_DEBUG (C++ reads no
+  // environment): per-stage timestamps, and the DebugBits mask of layout.h.
+  bool trace = false;
+  int debug = 0;
 };
 
 struct ErrorInfo {
@@ -67,7 +71,7 @@ class Comm {
   // false (the same iters, in the same order of calls); time it on the initiator's stream.
   void ping(int peer, int iters, bool initiator, uint64_t stream);
   ErrorInfo poll_error(bool clear);
-  // AFDEP_TRACE=1 only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
+  // CommConfig::trace only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
   // phases (synchronizes the device; empty when tracing is off).
   std::vector<uint64_t> trace();
   // clean: every peer reached close (collective teardown allowed); else local only.

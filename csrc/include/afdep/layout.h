@@ -6,25 +6,37 @@
 
 namespace afdep {
 
-// Protocol controls (torch_afdep/controls.py builds this mask; every bit set = role-aware).
+// Protocol controls: bit `bit` of the mask torch_afdep/env.py builds (every bit set =
+// role-aware). This list is the only C++ place that names them: it expands into the enum
+// ControlFlags (F_ROLE_BUFFERS, F_NO_ENTRY_BARRIER, ...), kAllRoleAware and the extension's
+// CONTROL_BITS dict (cuda_module.cpp), which a test compares with env.CONTROLS.
+#define AFDEP_CONTROL_FLAGS(X)                                                                 \
+  X(ROLE_BUFFERS, 0)        /* per-role inboxes (else union-sized windows everywhere) */      \
+  X(NO_ENTRY_BARRIER, 1)    /* no entry barrier (else full barrier in both phases) */         \
+  X(ONE_WAY_COUNTS, 2)      /* counts ride behind the payload A->F (else all-to-all first) */ \
+  X(RECEIVER_WAIT_ONLY, 3)  /* only receivers wait, per channel (else full exit barrier) */   \
+  X(ROLE_WARPS, 4)          /* each role runs only its stage (else both, with dummies) */     \
+  X(SINGLE_FFN, 5)          /* F == 1: copy instead of the fp32 sum in combine */             \
+  X(WIDE_LOCAL, 6)          /* FFN receive/reply and Attention combine: one CTA per SM */     \
+  X(EARLY_COUNTS, 7)        /* counts before the payload, then a per-channel payload flag */  \
+  X(SIZED_GRID, 8)          /* wide local grids only from kWideMinTokens tokens; the FFN's    \
+                               last reply CTA signals each receiver once (experimental) */    \
+  X(STREAM_EXPANSION, 9)    /* sender CTAs with >= kStreamMinTokens tokens: counts ahead,     \
+                               then one flag per row; the FFN expands each row as it lands */ \
+  X(PDL, 10)                /* programmatic dependent launch of the transport kernels         \
+                               (experimental) */
+
 enum ControlFlags : uint32_t {
-  F_ROLE_BUFFERS = 1u << 0,        // per-role inboxes (else union-sized windows everywhere)
-  F_NO_ENTRY_BARRIER = 1u << 1,    // no entry barrier (else full barrier in both phases)
-  F_ONE_WAY_COUNTS = 1u << 2,      // counts ride behind the payload A->F (else all-to-all first)
-  F_RECEIVER_WAIT_ONLY = 1u << 3,  // only receivers wait, per channel (else full exit barrier)
-  F_ROLE_WARPS = 1u << 4,          // each role runs only its stage (else both, with dummies)
-  F_SINGLE_FFN = 1u << 5,          // F == 1: copy instead of the fp32 sum in combine
-  F_WIDE_LOCAL = 1u << 6,          // FFN receive/reply and Attention combine: one CTA per SM
-  F_EARLY_COUNTS = 1u << 7,        // counts before the payload, then a per-channel payload flag
-  F_SIZED_GRID = 1u << 8,          // wide local grids only from kWideMinTokens tokens; the FFN's
-                                   // last reply CTA signals each receiver once (experimental)
-  F_STREAM_EXPANSION = 1u << 9,    // sender CTAs with >= kStreamMinTokens tokens: counts ahead,
-                                   // then one flag per row; the FFN expands each row as it lands
-  F_PDL = 1u << 10,                // programmatic dependent launch of the transport kernels
-                                   // (experimental)
+#define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
+  AFDEP_CONTROL_FLAGS(AFDEP_CONTROL_ENUM)
+#undef AFDEP_CONTROL_ENUM
 };
-// every bit above (the Python defaults leave the experimental bits 8 and 10 off)
-constexpr uint32_t kAllRoleAware = 0x7ff;
+// every bit above (the Python defaults leave the experimental ones off)
+constexpr uint32_t kAllRoleAware = 0
+#define AFDEP_CONTROL_OR(name, bit) | F_##name
+    AFDEP_CONTROL_FLAGS(AFDEP_CONTROL_OR)
+#undef AFDEP_CONTROL_OR
+    ;
 constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
