@@ -32,7 +32,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import stats
+from torch_afdep import reference as ref
+
+from . import common, stats
 from . import torch_exchange as tx
 
 AFDEP_ARMS = ("afdep", "symmetric")
@@ -46,49 +48,26 @@ def cell_key(c: Dict[str, Any]) -> str:
     return f"H{c['hidden']}/{c['dtype']}/{c['routing']}/T{c['tokens']}"
 
 
-def cell_seed(base: int, repeat: int, index: int, a: int) -> int:
-    """Inputs of cell ``index`` in ``repeat`` at Attention index ``a``: the same in every arm
-    (paired comparisons see the same data), different across cells and repeats."""
-    return base + repeat * 1_000_003 + index * 1009 + a * 7
+def cell_seed(base: int, repeat: int, index: int) -> int:
+    """Seed of cell ``index`` in ``repeat`` (``reference.make_inputs`` adds the Attention
+    index): the same in every arm, so paired comparisons see the same data; different across
+    cells and repeats."""
+    return base + repeat * 1_000_003 + index * 1009
 
 
 # ---- inputs -------------------------------------------------------------------------------
-def make_inputs(cfg, tokens: int, routing: str, seed: int, device):
-    """(x, expert_ids int64, weights, x_scales or None, reached tokens per FFN rank, valid
-    entries per token) for one Attention rank; routing from torch_afdep.reference."""
-    from torch_afdep import reference as ref
-
-    g = torch.Generator().manual_seed(seed)
-    ids, w = ref.random_routing(cfg, tokens, routing, generator=g)
-    reach = ref.tokens_per_ffn(cfg, ids).sum(dim=0).tolist() if tokens else [0] * cfg.ffn_ranks
-    gd = torch.Generator(device=device).manual_seed(seed)
-    x32 = torch.randn(tokens, cfg.hidden_size, device=device, generator=gd)
-    if cfg.dtype == torch.float8_e4m3fn:
-        blocks = x32.view(tokens, cfg.hidden_size // 128, 128)
-        scales = (blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0).to(torch.float32)
-        x = (blocks / scales[:, :, None]).view(tokens, cfg.hidden_size).to(cfg.dtype)
-    else:
-        scales = None
-        x = x32.to(torch.bfloat16)
-    ids_d, w_d = ids.to(device), w.to(device)
-    valid = torch.zeros(tokens, dtype=torch.int64, device=device)
+def served_rows(cfg, expert_ids: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the expert rows each token makes, summed over the FFN ranks that serve
+    its entries (repeated and -1 ids make none)."""
+    rows = torch.zeros(expert_ids.shape[0], dtype=torch.int64, device=expert_ids.device)
     for f in range(cfg.ffn_ranks):
-        valid += (tx.local_entries(ids_d, f, cfg.experts_per_rank)
-                  < cfg.experts_per_rank).sum(dim=1)
-    return x.contiguous(), ids_d, w_d, scales, [int(r) for r in reach], valid
+        rows += (ref.local_expert_ids(expert_ids, f, cfg.experts_per_rank) >= 0).sum(dim=1)
+    return rows
 
 
-def expected_output(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """With the BF16-cast "expert" and unweighted rows, out[t] = n_valid(t) * bf16(x[t])."""
-    return x.to(torch.bfloat16).to(torch.float32) * valid.to(torch.float32)[:, None]
-
-
-def check_output(out: torch.Tensor, want: torch.Tensor) -> float:
-    o = out.to(torch.float32)
-    if not bool(torch.isfinite(o).all()):
-        return float("inf")
-    denom = max(float(want.norm()), 1e-30)
-    return float((o - want).norm()) / denom
+def expected_output(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """With the BF16-cast "expert" and unweighted rows, out[t] = rows(t) * bf16(x[t])."""
+    return x.to(torch.bfloat16).to(torch.float32) * rows.to(torch.float32)[:, None]
 
 
 def open_log(spec: Dict[str, Any], rank: int):
@@ -265,12 +244,14 @@ class _Cell:
     def setup(self) -> None:
         rk = self.rk
         if rk.is_attention:
-            x, ids, w, sc, reach, valid = make_inputs(self.cfg, self.T, self.cell["routing"],
-                                                      self.seed, rk.device)
-            self.x, self.ids, self.w, self.sc = x, ids, w, sc
-            self.want = expected_output(x, valid)
-            self.extra["reach_tokens"] = reach          # tokens sent to each FFN index
-            self.extra["rows"] = int(valid.sum())        # expert rows made by this source
+            got = ref.make_inputs(self.cfg, self.T, self.cell["routing"], seed=self.seed,
+                                  a=rk.index, device=rk.device)
+            self.x, self.ids, self.w, self.sc = got
+            rows = served_rows(self.cfg, self.ids)
+            self.want = expected_output(self.x, rows)
+            reach = ref.tokens_per_ffn(self.cfg, self.ids).sum(dim=0)
+            self.extra["reach_tokens"] = [int(r) for r in reach]  # tokens to each FFN index
+            self.extra["rows"] = int(rows.sum())        # expert rows made by this source
 
     def step(self):  # pragma: no cover - GPU only
         raise NotImplementedError
@@ -278,7 +259,7 @@ class _Cell:
     def check(self) -> Optional[float]:
         if not self.rk.is_attention or self.out is None:
             return None
-        return check_output(self.out, self.want)
+        return ref.relative_error(self.out, self.want)
 
     def release(self) -> None:
         for name in list(vars(self)):
@@ -360,7 +341,7 @@ class _BareCell(_Cell):
         self.to_att = tx.splits(rk.roles, "attention", T)
         u8 = torch.uint8
         if rk.is_attention:
-            g = torch.Generator(device=dev).manual_seed(self.seed)
+            g = torch.Generator(device=dev).manual_seed(self.seed + 7 * rk.index)
             self.send_d = torch.randint(0, 120, (F * T, db), dtype=u8, device=dev, generator=g)
             self.recv_d = torch.empty(0, db, dtype=u8, device=dev)
             self.send_c = torch.empty(0, cb, dtype=u8, device=dev)
@@ -518,8 +499,7 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
                     emit(idx, cell, {"status": "not_run", "error": rk.aborted})
                     continue
                 rec = dict(info)
-                seed = cell_seed(spec["seed"], spec["repeat"], idx,
-                                 rk.index if rk.is_attention else 0)
+                seed = cell_seed(spec["seed"], spec["repeat"], idx)
                 c = _AfdepCell(rk, cfg, cell, seed, buf, spec.get("zero_copy", False))
                 go_on = _run_cell(rk, c, spec, rec, idx)
                 emit(idx, cell, rec)
@@ -582,8 +562,7 @@ def _nccl_cells(rk: _Rank, spec, groups, emit) -> None:
             if rk.aborted:
                 emit(idx, cell, {"status": "not_run", "error": rk.aborted})
                 continue
-            seed = cell_seed(spec["seed"], spec["repeat"], idx,
-                             rk.index if rk.is_attention else 0)
+            seed = cell_seed(spec["seed"], spec["repeat"], idx)
             rec: Dict[str, Any] = {}
             go_on = _run_cell(rk, kind(rk, cfg, cell, seed), spec, rec, idx)
             emit(idx, cell, rec)
@@ -607,14 +586,10 @@ def world_main(rank: int, world_size: int, spec: Dict[str, Any]) -> Dict[str, An
     meta = {"kind": "meta", "arm": rk.arm, "repeat": spec["repeat"], "pid": os.getpid(),
             "device": str(rk.device),
             "gpu": torch.cuda.get_device_name(rk.device) if rk.cuda else None,
-            "env": {k: v for k, v in os.environ.items()
-                    if k.startswith(("AFDEP_", "NCCL_", "TORCH_NCCL"))}}
-    try:
-        from torch_afdep import controls
+            "env": common.recorded_env()}
+    from torch_afdep import env
 
-        meta["afdep_flags_env"] = controls.current()
-    except Exception:  # controls.py may not exist yet
-        meta["afdep_flags_env"] = None
+    meta["afdep_flags_env"] = env.current().flags
     rk.write(meta)
 
     def emit(idx, cell, rec):

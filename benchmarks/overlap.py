@@ -1,6 +1,6 @@
 """Is the exchange hidden behind compute? A two-micro-batch MoE layer step on 1A1F.
 
-    python -m benchmarks.overlap --out-dir benchmarks/results [--quick]
+    python -m benchmarks.overlap [--quick]                      # -> results/benchmarks/
     python -m benchmarks.overlap --cpu-smoke --out-dir /tmp/overlap   # plumbing only, no GPU
 
 One Attention and one FFN process, one GPU each (``NCCL_NVLS_ENABLE=0`` in every process), a
@@ -38,8 +38,9 @@ the timing, ``--checks`` replays of (1), (4) and (5) with fresh inputs are check
 Attention rank (and the eager runs before capture): (4) and (5) against the same experts in
 fp32 (relative error), (1) against the sum of the token's rows.
 
-Output in ``--out-dir``: ``<gpu>x<count>-<date>-overlap.json`` (machine, commit, config, per
-step the per-round medians, spread and samples, the summary) and ``.md`` (a table).
+Output in ``--out-dir`` (default results/benchmarks/): ``<gpu>x<count>-<date>-overlap.json``
+(machine, commit, config, per step the per-round medians, spread and samples, the summary)
+and ``.md`` (a table).
 ``--cpu-smoke`` runs the same plumbing on the CPU over gloo with small sizes and eager
 steps instead of graphs: its numbers mean nothing.
 """
@@ -50,10 +51,8 @@ import argparse
 import datetime
 import gc
 import importlib
-import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -62,15 +61,15 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import stats
+from torch_afdep import reference as ref
+
+from . import common, stats
 
 PARTS = ("exchange", "attention", "experts", "pipelined", "serialized")
 #: Which role times each step (the other replays its own graph, or nothing).
 TIMED_ON = {"exchange": "attention", "attention": "attention", "experts": "ffn",
             "pipelined": "attention", "serialized": "attention"}
 CHECKED = ("exchange", "pipelined", "serialized")
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-             "NVSHMEM_DISABLE_NVLS": "1"}
 
 GPU_DEFAULTS = dict(tokens=[128, 512], hidden=4096, experts=128, top_k=8, intermediate=64,
                     attention_matmuls="auto", rounds=3, replays=200, warmup=20, checks=3,
@@ -79,7 +78,6 @@ QUICK = dict(tokens=[128], rounds=1, warmup=10, checks=2, world_timeout=150.0)
 CPU_SMOKE = dict(tokens=[8], hidden=256, experts=16, top_k=4, intermediate=32,
                  attention_matmuls="2", rounds=1, replays=3, warmup=1, checks=1,
                  attention_delay_us=0.0, queue_ahead_us=0.0, world_timeout=120.0)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- arguments ----------------------------------------------------------------------------
@@ -110,10 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed replays before them")
     p.add_argument("--checks", type=int, default=None,
                    help="checked replays of each exchanging step, fresh inputs each")
-    p.add_argument("--attention-delay-us", type=float, default=None,
-                   help="host spin on the timing rank after each alignment (default 300)")
-    p.add_argument("--queue-ahead-us", type=float, default=None,
-                   help="sleep kernel enqueued before the start event (default 200)")
+    common.add_timing_args(p, queue_ahead_us=None, attention_delay_us=None)  # 200, 300
     p.add_argument("--sms", type=int, default=24, help="SMs of each exchange kernel")
     p.add_argument("--kernel-timeout", type=float, default=20.0,
                    help="Config.timeout_s: a receiver that waits longer raises")
@@ -127,9 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="CPU over gloo, small sizes, eager steps: exercises the plumbing, "
                         "the numbers mean nothing")
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    p.add_argument("--name", default=None,
-                   help="output stem (default <gpu>x<count>-<date>-overlap)")
+    common.add_output_args(p, "output stem (default <gpu>x<count>-<date>-overlap)")
     return p
 
 
@@ -165,6 +158,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--rounds and --replays must be >= 1, --warmup and --checks >= 0")
     if args.max_attention_matmuls < 1 or args.attention_ratio <= 0:
         p.error("--max-attention-matmuls must be >= 1 and --attention-ratio > 0")
+    common.check_timing_args(p, args)
     return args
 
 
@@ -300,13 +294,6 @@ def expert_reference(x, ids, w, w13, w2) -> torch.Tensor:
     return out
 
 
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    o = out.float()
-    if not bool(torch.isfinite(o).all()):
-        return float("inf")
-    return float((o - want.float()).norm()) / max(float(want.float().norm()), 1e-30)
-
-
 class _AttentionSide:
     def __init__(self, ctx: _Ctx, buf, spec: Dict[str, Any], T: int, wq: List[torch.Tensor]):
         self.ctx, self.buf, self.spec, self.T = ctx, buf, spec, T
@@ -322,16 +309,13 @@ class _AttentionSide:
         self.set_inputs(0)
 
     def set_inputs(self, k: int) -> None:
-        from torch_afdep import reference as ref
-
+        """Fresh inputs number ``k`` (micro-batch mb is the reference's Attention index)."""
         for mb in range(2):
-            g = torch.Generator().manual_seed(self.spec["seed"] * 1009 + self.T * 31 + k * 2
-                                              + mb)
-            x = torch.randn(self.T, self.spec["hidden"], generator=g)
-            ids, w = ref.random_routing(self.cfg, self.T, "random", generator=g)
-            self.xin[mb].copy_(x)
-            self.ids[mb].copy_(ids)
-            self.w[mb].copy_(w)
+            got = ref.make_inputs(self.cfg, self.T, "random",
+                                  seed=self.spec["seed"] + self.T * 31 + k, a=mb)
+            self.xin[mb].copy_(got.x)
+            self.ids[mb].copy_(got.expert_ids)
+            self.w[mb].copy_(got.weights)
 
     def ensure_matmuls(self, n: int) -> None:
         h = self.spec["hidden"]
@@ -388,7 +372,7 @@ class _AttentionSide:
                 want = x.float() * (self.ids[mb] >= 0).sum(dim=1, keepdim=True).float()
             else:
                 want = expert_reference(x, self.ids[mb], self.w[mb], *ref_w)
-            worst = max(worst, rel_err(out, want))
+            worst = max(worst, ref.relative_error(out, want))
         return worst
 
 
@@ -627,14 +611,6 @@ def summarize(att: Dict[str, Any], ffn: Dict[str, Any], tol: float) -> Dict[str,
     return out
 
 
-def machine_slug(names: List[str]) -> str:
-    if not names:
-        return "cpu-smoke"
-    short = names[0].replace("NVIDIA", "").strip().split()
-    base = (short[0] if short else "gpu").lower()
-    return "".join(c for c in f"{base}x{len(names)}" if c.isalnum() or c in "._-")
-
-
 def _fmt(v, pct=False) -> str:
     if v is None:
         return "—"
@@ -694,20 +670,8 @@ def markdown(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    """benchmarks.run's rule: AFDEP_COMMIT names a copied tree, else git HEAD (+ -dirty)."""
-    try:
-        from .run import git_commit as gc_
-
-        return gc_()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    from torch_afdep.testing import WorldError, spawn_world
-
     if not args.cpu_smoke:
         ok = torch.cuda.is_available() and torch.cuda.device_count() >= 2
         try:
@@ -719,8 +683,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "extension (AFDEP_BUILD_CUDA=1 pip install --no-build-isolation --no-deps "
                   "-e .); --cpu-smoke exercises the plumbing without them", file=sys.stderr)
             return 2
-    for k, v in CHILD_ENV.items():
-        os.environ.setdefault(k, v)
     spec = {k: getattr(args, k) for k in (
         "tokens", "hidden", "experts", "top_k", "intermediate", "expert_method",
         "attention_matmuls",
@@ -731,12 +693,10 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"E{args.experts} top-{args.top_k}, intermediate {args.intermediate}, "
           f"{args.rounds} round(s) x {args.replays} replays per step", flush=True)
     t0 = time.perf_counter()
-    try:
-        ranks = spawn_world(world_main, 2, spec, backend="gloo", timeout=args.world_timeout,
-                            device_ids=None if args.cpu_smoke else [0, 1],
-                            env=dict(CHILD_ENV))
-    except WorldError as e:
-        print(f"FAILED: {e}", file=sys.stderr)
+    ranks, error = common.spawn(world_main, 2, spec, timeout=args.world_timeout,
+                                device_ids=None if args.cpu_smoke else [0, 1])
+    if ranks is None:
+        print(f"FAILED: {error}", file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
     att = next(r for r in ranks if r["role"] == "attention")
@@ -746,16 +706,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_gpu = 0 if args.cpu_smoke else torch.cuda.device_count()
     machine = {"gpus_used": names, "device_count": n_gpu,
                "gpu": names[0] if names else None,
-               "description": (f"{len(names)} x {names[0]}" if names else "CPU (gloo)")}
+               "description": common.machine_name(names) or "CPU (gloo)"}
     date = datetime.date.today().isoformat()
     doc = {
         "kind": "overlap",
         "machine": machine,
-        "commit": git_commit(),
+        "commit": common.git_commit(),
         "date": date,
-        "env": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                "python": platform.python_version(), "host": platform.node(),
-                "child_env": dict(CHILD_ENV)},
+        "env": dict(common.software(), child_env=dict(common.CHILD_ENV)),
         "config": dict(spec, layout="1A1F", num_slots=2, routing="random", dtype="bf16",
                        cpu_smoke=args.cpu_smoke, quick=args.quick, check_tol=args.check_tol,
                        ranks={"ffn": ffn["rank"], "attention": att["rank"]},
@@ -767,15 +725,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "wall_s": wall,
         "rank_wall_s": {r["role"]: r["wall_s"] for r in ranks},
     }
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = args.name or f"{machine_slug(names)}-{date}-overlap"
-    jpath = os.path.join(args.out_dir, stem + ".json")
-    mpath = os.path.join(args.out_dir, stem + ".md")
-    with open(jpath, "w") as f:
-        json.dump(doc, f, indent=1)
+    stem = args.name or f"{common.machine_slug(names)}-{date}-overlap"
+    jpath = common.output_path(args.out_dir, stem, "json")
+    mpath = common.output_path(args.out_dir, stem, "md")
+    common.write_json(jpath, doc)
     md = markdown(doc)
-    with open(mpath, "w") as f:
-        f.write(md)
+    common.write_text(mpath, md)
     print(md)
     print(f"wrote {jpath} and {mpath} ({wall:.0f} s)")
     ok = all(r["correct"] for r in results)

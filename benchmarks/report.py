@@ -1,4 +1,4 @@
-"""Aggregation of the per-rank records into result rows, and the JSON / Markdown / PNG writers.
+"""Aggregation of the per-rank records into result rows, and the Markdown / PNG writers.
 
 Record layout (what ``benchmarks.run`` collects): ``raw`` is a list of world entries
 
@@ -10,12 +10,13 @@ and ``plan`` names the layouts (with the GPU of every group rank) and the cells.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import stats
+from torch_afdep import env
+from torch_afdep.config import FP8_BLOCK
+
+from . import common, stats
 
 SCHEMA = "torch_afdep.benchmarks/1"
 ARM_LABELS = {"afdep": "afdep", "symmetric": "symmetric (AFDEP_SYMMETRIC=1)",
@@ -40,7 +41,7 @@ def gpu_of_ranks(world: int, gpus: int) -> List[int]:
 def dispatch_row_bytes(hidden: int, dtype: str) -> int:
     """Payload bytes of one dispatched token row (FP8 adds its float32 scales)."""
     if dtype == "fp8":
-        return hidden + 4 * (hidden // 128)
+        return hidden + 4 * (hidden // FP8_BLOCK)
     return 2 * hidden
 
 
@@ -289,20 +290,6 @@ def registered_summary(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 # ---- writers ------------------------------------------------------------------------------
-def write_json(path: str, doc: Dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return str(o)
-
-
 def _fmt_us(v: Optional[float]) -> str:
     if v is None:
         return "—"
@@ -350,12 +337,12 @@ def markdown(doc: Dict[str, Any]) -> str:
                  + (f", queue-ahead {a.get('queue_ahead_us'):g} µs" if a.get("queue_ahead_us")
                     else ""))
     ev = doc.get("env", {}).get("vars") or {}
-    afdep_how = [f"transport {ev.get('AFDEP_TRANSPORT', 'ipc')}"]
+    afdep_how = [f"transport {env.get('AFDEP_TRANSPORT', ev)}"]
     if a.get("zero_copy"):
         afdep_how.append("zero-copy collect where one FFN rank")
     if a.get("afdep_env"):
         afdep_how.append("afdep arm with " + " ".join(a["afdep_env"]))
-    if ev.get("AFDEP_DEBUG", "0") not in ("", "0"):
+    if env.get("AFDEP_DEBUG", ev):
         afdep_how.append(f"AFDEP_DEBUG={ev['AFDEP_DEBUG']} (diagnostic setting: not a result "
                          "of record)")
     lines.append("- afdep arms: " + ", ".join(afdep_how))
@@ -493,9 +480,7 @@ def _fmt_gbps(v: Optional[float]) -> str:
 
 
 def write_markdown(path: str, doc: Dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        f.write(markdown(doc))
-        f.write("\n")
+    common.write_text(path, markdown(doc) + "\n")
 
 
 def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:

@@ -9,8 +9,8 @@ Arms (same contract, docs/contract.md): ``afdep`` (role-aware kernels), ``symmet
 same kernels with AFDEP_SYMMETRIC=1), ``nccl`` (all_to_all_single + torch ops), and
 ``nccl_bare`` (one bare all_to_all_single each way, a reference line). Each repeat spawns
 one fresh process group per (arm, layout) covering all cells, arms interleaved (rotated
-each repeat). Writes benchmarks/results/<machine>-<date>.{json,md,png}. Method and caveats:
-benchmarks/README.md.
+each repeat). Writes results/benchmarks/<machine>-<date>.{json,md,png} (``--out-dir``).
+Method and caveats: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from . import report
+from torch_afdep import env as afdep_env
+
+from . import common, report
 
 DEFAULTS = dict(experts=128, top_k=8, capacity=2048, sms=24, hidden=[2048, 4096, 7168],
                 dtype=["bf16", "fp8"], routing=["random", "skewed"],
@@ -39,13 +38,11 @@ DEFAULTS = dict(experts=128, top_k=8, capacity=2048, sms=24, hidden=[2048, 4096,
 QUICK = dict(hidden=[2048], dtype=["bf16"], routing=["random"], tokens=[1, 128], repeats=2,
              replays=30, warmup=5)
 ARMS = ("afdep", "symmetric", "nccl", "nccl_bare")
-BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
-ARM_ENV = {"afdep": {}, "symmetric": {"AFDEP_SYMMETRIC": "1"}, "nccl": {}, "nccl_bare": {}}
+ARM_ENV = {"afdep": {}, "symmetric": {afdep_env.SYMMETRIC: "1"}, "nccl": {},
+           "nccl_bare": {}}
 ARM_BACKEND = {"afdep": "gloo", "symmetric": "gloo", "nccl": "cpu:gloo,cuda:nccl",
                "nccl_bare": "cpu:gloo,cuda:nccl"}
 _LAYOUT_RE = re.compile(r"^(\d+)A(\d+)F$", re.IGNORECASE)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- arguments ----------------------------------------------------------------------------
@@ -109,15 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--replays", type=int, default=None, help="timed graph replays per cell "
                    "(default 200)")
     m.add_argument("--warmup", type=int, default=10, help="untimed replays per cell")
-    m.add_argument("--attention-delay-us", type=float, default=300.0,
-                   help="host spin on Attention ranks after each alignment, before timing, so "
-                        "FFN graphs are already launched and waiting (as benchmarks/latency.py "
-                        "does); 0 = time right after the barrier")
-    m.add_argument("--queue-ahead-us", type=float, default=200.0,
-                   help="enqueue a ~N µs sleep kernel before the start event on Attention "
-                        "ranks, so host graph-launch time is not measured (0 = off; 2 x H200: "
-                        "the graph.replay() call took 6-17 µs, and with 50 µs some fresh "
-                        "worlds still ran late in a tenth of the replays)")
+    common.add_timing_args(m, queue_ahead_us=200.0, attention_delay_us=300.0)
     m.add_argument("--eager-arms", nargs="*", choices=ARMS, default=[],
                    help="fallback: time these arms' steps eagerly instead of as CUDA graph "
                         "replays (rows say graph: false; the tables mark them)")
@@ -143,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of the peer-copy ceiling measurement (0 = skip)")
     r.add_argument("--check-tol", type=float, default=2e-2,
                    help="relative error above which an arm's output is marked wrong")
-    r.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    r.add_argument("--name", default=None, help="output stem (default <machine>-<date>)")
+    common.add_output_args(r, "output stem (default <machine>-<date>)")
     r.add_argument("--no-plot", action="store_true")
     r.add_argument("--keep-raw", action="store_true",
                    help="keep the per-rank JSONL records next to the results")
@@ -168,32 +156,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def parse_afdep_env(p: argparse.ArgumentParser, items: List[str]) -> Dict[str, str]:
-    """--afdep-env NAME=0|1 items -> {NAME: value} (also benchmarks.trace's parser)."""
-    from torch_afdep import controls
-
-    out: Dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or name not in controls.CONTROLS or value not in ("0", "1"):
-            p.error(f"--afdep-env takes NAME=0|1 with NAME one of {sorted(controls.CONTROLS)}, "
-                    f"got {item!r}")
-        out[name] = value
-    return out
-
-
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.replays < 1:
         p.error("--replays must be >= 1")
-    if args.attention_delay_us < 0 or args.attention_delay_us > 1e5:
-        p.error("--attention-delay-us must be in [0, 100000]")
-    if args.queue_ahead_us < 0 or args.queue_ahead_us > 1e4:
-        p.error("--queue-ahead-us must be in [0, 10000]")
+    common.check_timing_args(p, args)
     if args.warmup < 0 or args.eager_steps < 1:
         p.error("--warmup must be >= 0 and --eager-steps >= 1")
-    args.afdep_env_vars = parse_afdep_env(p, args.afdep_env)
+    args.afdep_env_vars = common.parse_afdep_env(p, args.afdep_env)
     bad = [t for t in args.tokens if t < 1 or t > args.capacity]
     if bad:
         p.error(f"--tokens must be in [1, --capacity={args.capacity}], got {bad}")
@@ -263,68 +234,18 @@ def default_world_timeout(n_cells: int, args: argparse.Namespace, world: int) ->
 
 
 # ---- machine facts ------------------------------------------------------------------------
-def _cmd(argv: List[str], timeout: float = 20.0) -> Optional[str]:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        return out.stdout.strip() if out.returncode == 0 else None
-    except Exception:
-        return None
-
-
-def git_commit() -> str:
-    """HEAD, + "-dirty" when the tree differs from it (benchmarks/results/ aside). Where the
-    tree is a copy without .git, AFDEP_COMMIT names it."""
-    if os.environ.get("AFDEP_COMMIT"):
-        return os.environ["AFDEP_COMMIT"]
-    head = _cmd(["git", "rev-parse", "HEAD"]) or "unknown"
-    status = _cmd(["git", "status", "--porcelain"])
-    if status:
-        dirty = [ln for ln in status.splitlines()
-                 if not ln[3:].strip().strip('"').startswith("benchmarks/results")]
-        if dirty:
-            head += "-dirty"
-    return head
-
-
-def nvidia_smi() -> Dict[str, Any]:
-    out = _cmd(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
-    if not out:
-        return {}
-    rows = [[c.strip() for c in ln.split(",")] for ln in out.splitlines() if ln.strip()]
-    return {"names": [r[0] for r in rows], "driver": rows[0][1] if rows and len(rows[0]) > 1
-            else None}
-
-
-def machine_slug(gpu_names: List[str]) -> str:
-    if not gpu_names:
-        return "nogpu"
-    short = gpu_names[0].replace("NVIDIA", "").strip().split()
-    name = "-".join(short[:2]) if short else "gpu"
-    return re.sub(r"[^A-Za-z0-9._-]", "", f"{len(gpu_names)}x{name}")
-
-
 def env_info(probe: Dict[str, Any], stripped: Dict[str, str]) -> Dict[str, Any]:
-    import torch
-
-    keep = {k: v for k, v in os.environ.items()
-            if k.startswith(("AFDEP_", "NCCL_", "TORCH_NCCL", "CUDA_VISIBLE", "NVSHMEM_",
-                             "TORCH_SYMM"))}
-    return {"torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": probe.get("nccl_version"), "python": platform.python_version(),
-            "host": platform.node(), "vars": keep, "child_vars": dict(BASE_ENV),
-            "arm_vars": ARM_ENV, "stripped_from_parent": stripped}
+    sw = common.software()
+    return {"torch": sw["torch"], "cuda": sw["cuda"], "nccl": probe.get("nccl_version"),
+            "python": sw["python"], "host": sw["host"], "vars": common.recorded_env(),
+            "child_vars": dict(common.CHILD_ENV), "arm_vars": ARM_ENV,
+            "stripped_from_parent": stripped}
 
 
 def _strip_control_env() -> Dict[str, str]:
     """Protocol controls in the parent's environment would leak into every arm; the arms set
     their own. Remove them (recorded in the JSON)."""
-    names = {"AFDEP_SYMMETRIC"}
-    try:
-        from torch_afdep import controls
-
-        names |= set(controls.CONTROLS)
-    except Exception:
-        pass
+    names = {afdep_env.SYMMETRIC, *afdep_env.CONTROLS}
     stripped = {}
     for k in list(os.environ):
         if k in names:
@@ -453,8 +374,6 @@ def parse_inject(text: str) -> List[Dict[str, Any]]:
 def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any],
               args: argparse.Namespace, work_dir: str, progress: Progress, done_before: int,
               timeout: float) -> Dict[str, Any]:
-    from torch_afdep.testing import WorldError, spawn_world
-
     from .arms import world_main
 
     world = layout["attention"] + layout["ffn"]
@@ -472,51 +391,40 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "zero_copy": bool(args.zero_copy),
             "flag_probe": not args.no_flag_probe,
             "device": "cpu" if args.cpu_smoke else "cuda",
-            "inject": parse_inject(os.environ.get("AFDEP_BENCH_INJECT", ""))}
-    env = dict(BASE_ENV)
-    env.update(ARM_ENV[arm])
+            "inject": parse_inject(afdep_env.get("AFDEP_BENCH_INJECT"))}
+    env = dict(ARM_ENV[arm])
     if arm == "afdep":
         env.update(args.afdep_env_vars)
-    result: Dict[str, Any] = {}
+    desc = f"r{repeat} {layout['name']} {arm}"
+    seen = {"size": -1, "changed": time.monotonic(), "stalled": None}
 
-    def target():
-        try:
-            result["ret"] = spawn_world(
-                world_main, world, spec,
-                backend="gloo" if args.cpu_smoke else ARM_BACKEND[arm], timeout=timeout,
-                device_ids=None if args.cpu_smoke else layout["gpus"], env=env)
-        except WorldError as e:
-            result["error"] = str(e)
-        except BaseException as e:  # noqa: BLE001
-            result["error"] = f"{type(e).__name__}: {e}"
+    def watch() -> None:
+        """Progress, and the stall watchdog: a world whose ranks record nothing for
+        --stall-timeout seconds has its processes ended."""
+        progress.set(done_before + _count_cells(os.path.join(out_dir, "rank0.jsonl")), desc)
+        size = _records_size(out_dir, world)
+        if size != seen["size"]:
+            seen["size"], seen["changed"] = size, time.monotonic()
+        elif (seen["stalled"] is None and args.stall_timeout > 0
+              and time.monotonic() - seen["changed"] > args.stall_timeout):
+            seen["stalled"] = (f"no progress for {args.stall_timeout:.0f} s: ended the "
+                               f"world's processes {_kill_world(out_dir, world)}")
+            sys.stderr.write(f"\nworld {desc}: {seen['stalled']}\n")
 
     t0 = time.monotonic()
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    desc = f"r{repeat} {layout['name']} {arm}"
-    last_size, last_change = -1, time.monotonic()
-    stalled = None
     try:
-        while th.is_alive():
-            th.join(timeout=0.5)
-            progress.set(done_before + _count_cells(os.path.join(out_dir, "rank0.jsonl")),
-                         desc)
-            size = _records_size(out_dir, world)
-            if size != last_size:
-                last_size, last_change = size, time.monotonic()
-            elif (stalled is None and args.stall_timeout > 0
-                  and time.monotonic() - last_change > args.stall_timeout):
-                stalled = (f"no progress for {args.stall_timeout:.0f} s: ended the world's "
-                           f"processes {_kill_world(out_dir, world)}")
-                sys.stderr.write(f"\nworld {desc}: {stalled}\n")
+        _, error = common.spawn(
+            world_main, world, spec, timeout=timeout, env=env, watch=watch,
+            backend="gloo" if args.cpu_smoke else ARM_BACKEND[arm],
+            device_ids=None if args.cpu_smoke else layout["gpus"])
     except BaseException:
         _kill_world(out_dir, world)  # interrupted: leave no rank holding a GPU
         raise
-    if stalled:
-        result["error"] = stalled + "\n" + (result.get("error") or "")
+    if seen["stalled"]:
+        error = seen["stalled"] + "\n" + (error or "")
     ranks = read_rank_files(out_dir, world)
     entry = {"arm": arm, "layout": layout["name"], "repeat": repeat,
-             "status": "failed" if "error" in result else "ran", "error": result.get("error"),
+             "status": "failed" if error else "ran", "error": error,
              "wall_s": time.monotonic() - t0, "ranks": ranks, "out_dir": out_dir}
     return entry
 
@@ -561,7 +469,7 @@ def build_doc(raw: List[Dict[str, Any]], plan: Dict[str, Any], probe: Dict[str, 
               complete: bool) -> Dict[str, Any]:
     """The results document (what the JSON holds and the Markdown/plot are made from)."""
     rows, comps = report.aggregate(raw, plan, probe.get("peer_copy_ceiling_GBps"))
-    return {"schema": report.SCHEMA, "machine": machine, "commit": git_commit(),
+    return {"schema": report.SCHEMA, "machine": machine, "commit": common.git_commit(),
             "started": started.isoformat(timespec="seconds"),
             "finished": datetime.datetime.now().isoformat(timespec="seconds") if final
             else None,
@@ -575,17 +483,14 @@ def build_doc(raw: List[Dict[str, Any]], plan: Dict[str, Any], probe: Dict[str, 
 
 # ---- main ---------------------------------------------------------------------------------
 def _probe(args, n_gpus: int) -> Dict[str, Any]:
-    from torch_afdep.testing import spawn_world
-
     from .probe import probe_main
 
-    try:
-        return spawn_world(probe_main, 1, {"peer_copy_mib": args.peer_copy_mib, "iters": 8},
-                           backend="gloo", timeout=180, device_ids=[0],
-                           env=dict(BASE_ENV))[0]
-    except Exception as e:  # noqa: BLE001
-        return {"errors": [f"probe failed: {e}"], "peer_copy_GBps": {},
+    ranks, error = common.spawn(probe_main, 1, {"peer_copy_mib": args.peer_copy_mib,
+                                                "iters": 8}, timeout=180, device_ids=[0])
+    if ranks is None:
+        return {"errors": [f"probe failed: {error}"], "peer_copy_GBps": {},
                 "peer_copy_ceiling_GBps": None}
+    return ranks[0]
 
 
 def _dry_run(args, plan, n_gpus: int) -> int:
@@ -641,18 +546,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if stripped:
         print(f"benchmarks.run: ignoring protocol controls set in the environment "
               f"{sorted(stripped)}: each arm sets its own", file=sys.stderr)
-    os.environ.update(BASE_ENV)
+    os.environ.update(common.CHILD_ENV)
 
     probe = _probe(args, n_gpus) if not args.cpu_smoke else {
         "peer_copy_GBps": {}, "peer_copy_ceiling_GBps": None, "errors": ["--cpu-smoke"]}
-    smi = nvidia_smi() if not args.cpu_smoke else {"names": ["cpu-smoke"]}
+    smi = common.nvidia_smi() if not args.cpu_smoke else {}
     names = smi.get("names") or probe.get("gpus") or []
-    machine = {"name": f"{len(names)} × {names[0]}" if names else "unknown",
+    machine = {"name": common.machine_name(names) or ("cpu-smoke" if args.cpu_smoke
+                                                      else "unknown"),
                "gpus": names, "count": len(names) or n_gpus, "driver": smi.get("driver"),
                "capability": probe.get("capability"), "sm_count": probe.get("sm_count")}
-    stem = args.name or f"{machine_slug(names)}-{started.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(args.out_dir, exist_ok=True)
-    paths = {ext: os.path.join(args.out_dir, f"{stem}.{ext}") for ext in ("json", "md", "png")}
+    stem = args.name or f"{common.machine_slug(names)}-{common.timestamp(started)}"
+    paths = {ext: common.output_path(args.out_dir, stem, ext) for ext in ("json", "md", "png")}
     work_dir = tempfile.mkdtemp(prefix="afdep-bench-")
     notes = ["The data floor counts payload bytes only (FP8 scales included, ids/weights and "
              "protocol metadata not) on the busiest GPU-to-GPU link, each way at the "
@@ -716,11 +621,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     if ent["error"]:
                         sys.stderr.write(f"\nworld {lay['name']} {arm} repeat {rep} failed: "
                                          f"{ent['error'][-800:]}\n")
-                    report.write_json(paths["json"], doc_now(final=False))
+                    common.write_json(paths["json"], doc_now(final=False))
     finally:
         progress.close()
         doc = doc_now(final=True)
-        report.write_json(paths["json"], doc)
+        common.write_json(paths["json"], doc)
         try:
             report.write_markdown(paths["md"], doc)
         except Exception as e:  # noqa: BLE001  (the JSON is what matters)
@@ -732,7 +637,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             plot_note = f"plot failed: {type(e).__name__}: {e}"
         if plot_note:
             doc["notes"].append(plot_note)
-            report.write_json(paths["json"], doc)
+            common.write_json(paths["json"], doc)
         if args.keep_raw:
             dst = os.path.join(args.out_dir, f"{stem}-raw")
             shutil.copytree(work_dir, dst, dirs_exist_ok=True)

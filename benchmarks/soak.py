@@ -38,7 +38,7 @@ Writes ``<out-dir>/<name>.json``: machine, commit, config, replays, checks, erro
 mismatches, max_err, replays_per_s, wall_s, per-rank records. Exit status 1 when anything
 failed.
 
-    python -m benchmarks.soak --replays 100000 --check-every 100 --out-dir benchmarks/results
+    python -m benchmarks.soak --replays 100000 --check-every 100   # -> results/benchmarks/
     python -m benchmarks.soak --cpu-smoke        # eager on the CPU path (gloo), tiny config
 """
 
@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -57,12 +55,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from . import common
 
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
 #: Elementwise relative tolerance against the fp32 reference (see the module docstring).
 REL_TOL = 2.0 ** -6
 FFN_RANK, ATTN_RANK = 0, 1
@@ -87,8 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of routing entries set to -1 (default 0.2)")
     p.add_argument("--timeout", type=float, default=5.0, help="config timeout_s (default 5)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    p.add_argument("--name", default=None, help="output stem (default soak-<machine>-<date>)")
+    common.add_output_args(p, "output stem (default soak-<machine>-<date>)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run a few eager exchanges on the CPU path (gloo) instead: exercises "
                         "the script's plumbing and checks without GPUs")
@@ -334,21 +327,12 @@ def soak_body(rank, world, cfg_kw, opts):
 
 
 # ---- the run --------------------------------------------------------------------------------
-def git_commit() -> Optional[str]:
-    """benchmarks.run's rule: AFDEP_COMMIT names a copied tree, else git HEAD (+ -dirty)."""
-    from .run import git_commit as run_git_commit
-
-    return run_git_commit()
-
-
 def machine_info(cpu: bool) -> Dict[str, Any]:
-    info = {"host": platform.node(), "python": platform.python_version(),
-            "torch": torch.__version__, "cuda": torch.version.cuda}
-    if not cpu and torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        info["name"] = f"{len(info['gpus'])} x {info['gpus'][0]}" if info["gpus"] else "none"
-    else:
-        info["name"] = "cpu-smoke"
+    names = [] if cpu else (common.nvidia_smi().get("names") or [])
+    info = dict(common.software())
+    if names:
+        info["gpus"] = names
+    info["name"] = common.machine_name(names) or "cpu-smoke"
     return info
 
 
@@ -368,7 +352,7 @@ def summarize(a: argparse.Namespace, per_rank: List[Dict[str, Any]], wall_s: flo
     checks = att.get("checks", 0)
     return {
         "name": None, "mode": "cpu-smoke" if a.cpu_smoke else "cuda-graphs",
-        "machine": machine_info(a.cpu_smoke), "commit": git_commit(),
+        "machine": machine_info(a.cpu_smoke), "commit": common.git_commit(),
         "config": {**config_kw(a), "dtype": "bfloat16", "layout": "1A1F",
                    "check_every": a.check_every, "sync_every": a.sync_every, "drop": a.drop,
                    "seed": a.seed, "rel_tol": REL_TOL, "inject_fault": a.inject_fault},
@@ -382,8 +366,6 @@ def summarize(a: argparse.Namespace, per_rank: List[Dict[str, Any]], wall_s: flo
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from torch_afdep.testing import WorldError, spawn_world
-
     a = parse_args(argv)
     if not a.cpu_smoke:
         import importlib.util
@@ -402,22 +384,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         opts = {"cpu_smoke": a.cpu_smoke, "replays": a.replays, "check_every": a.check_every,
                 "sync_every": a.sync_every, "seed": a.seed, "drop": a.drop,
                 "stop_file": os.path.join(tmp, "stop"), "fault_at": a.inject_fault}
-        world_error = None
-        try:
-            per_rank = spawn_world(soak_body, 2, kw, opts, timeout=world_timeout,
-                                   device_ids=None if a.cpu_smoke else [0, 1],
-                                   env={} if a.cpu_smoke else dict(GPU_ENV))
-        except WorldError as e:
-            per_rank, world_error = [{}, {}], f"WorldError: {e}"
-    doc = summarize(a, per_rank, time.monotonic() - t0, world_error)
-    name = a.name or "soak-{}-{}".format(
-        "cpu" if a.cpu_smoke else doc["machine"]["name"].split(" x ")[-1].replace(" ", "_"),
-        datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        per_rank, world_error = common.spawn(soak_body, 2, kw, opts, timeout=world_timeout,
+                                             device_ids=None if a.cpu_smoke else [0, 1])
+    doc = summarize(a, per_rank or [{}, {}], time.monotonic() - t0, world_error)
+    name = a.name or f"soak-{common.machine_slug(doc['machine'].get('gpus', []))}-" \
+                     f"{common.timestamp()}"
     doc["name"] = name
-    os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, name + ".json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    path = common.output_path(a.out_dir, name, "json")
+    common.write_json(path, doc)
     rps = doc["replays_per_s"]
     print(f"soak {doc['mode']}: {doc['replays']} replays, {doc['checks']} checks, "
           f"mismatches {doc['mismatches']}, max_err {doc['max_err']}, "

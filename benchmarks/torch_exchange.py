@@ -7,8 +7,9 @@ that every step is graph-capturable (static shapes, no host sync):
 - dispatch: each Attention rank packs every token once per FFN rank into a fixed byte row
   (payload, FP8 scales, expert ids, routing weights) and sends ``bucket`` rows to every FFN
   rank (capacity-padded splits; a padding row has every id -1 and so reaches no expert);
-- the FFN rank drops ids it does not own (and repeated ids, first occurrence wins), and
-  expands the tokens into one row per (token, local expert), expert-major, with
+- the FFN rank drops ids it does not own (and repeated ids, first occurrence wins: the
+  contract's rule, ``torch_afdep.reference.local_expert_ids``), and expands the tokens
+  into one row per (token, local expert), expert-major, with
   ``expert_offsets`` prefix sums, weights, source rank and source token per row;
 - combine: the FFN rank sums each token's rows in fp32 and sends one BF16 row per token
   back; the Attention rank sums the rows of its FFN ranks in fp32 and returns BF16.
@@ -23,7 +24,9 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-FP8_BLOCK = 128
+from torch_afdep import reference as ref
+from torch_afdep.config import FP8_BLOCK
+
 _ALIGN = 16
 
 
@@ -136,23 +139,6 @@ class Expanded(NamedTuple):
     row_token: torch.Tensor       # [n*R] int64 flat token index, n = none
 
 
-def local_entries(expert_ids: torch.Tensor, ffn_index: int, experts_per_rank: int
-                  ) -> torch.Tensor:
-    """[n, k] int64: the local expert of each entry that this FFN rank serves, else
-    ``experts_per_rank`` (invalid, another rank's expert, or a repeated id in the token)."""
-    ids = expert_ids.to(torch.int64)
-    lo = ffn_index * experts_per_rank
-    local = ids - lo
-    keep = (ids >= 0) & (local >= 0) & (local < experts_per_rank)
-    k = ids.shape[1]
-    if k > 1:
-        same = ids.unsqueeze(2) == ids.unsqueeze(1)                   # [n, k, k]
-        pos = torch.arange(k, device=ids.device)
-        earlier = pos.unsqueeze(0) < pos.unsqueeze(1)                  # [j, j']: j' < j
-        keep &= ~(same & earlier).any(dim=2)                          # first occurrence wins
-    return torch.where(keep, local, torch.full_like(local, experts_per_rank))
-
-
 def expand(received: Unpacked, ffn_index: int, experts_per_rank: int, rows_per_token: int,
            bucket: int, source_ranks: torch.Tensor) -> Expanded:
     """FFN side: received tokens -> expert-major rows (static shapes, no host sync).
@@ -163,8 +149,9 @@ def expand(received: Unpacked, ffn_index: int, experts_per_rank: int, rows_per_t
     ids = received.expert_ids
     n, k = ids.shape
     el = experts_per_rank
-    key = local_entries(ids, ffn_index, el).reshape(-1)               # [n*k]
-    order = torch.argsort(key, stable=True)                           # valid entries first
+    local = ref.local_expert_ids(ids, ffn_index, el)                  # [n, k], -1 = dropped
+    key = torch.where(local >= 0, local, torch.full_like(local, el)).reshape(-1)
+    order = torch.argsort(key, stable=True)                           # dropped entries last
     sorted_key = key.index_select(0, order)
     bounds = torch.arange(el + 1, dtype=torch.int64, device=ids.device)
     offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)  # [E_local + 1]
@@ -196,14 +183,6 @@ def collect(replies: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Attention side of combine: replies [F, bucket, H] BF16 (one slot per FFN rank) ->
     [T, H] BF16, the fp32 sum over FFN ranks of the first T rows."""
     return replies[:, :num_tokens].to(torch.float32).sum(dim=0).to(torch.bfloat16)
-
-
-def dequantize_rows(x: torch.Tensor, x_scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """[n, H] payload (+ [n, H/128] scales) -> float32 (used by the CPU checks)."""
-    xf = x.to(torch.float32)
-    if x_scales is None:
-        return xf
-    return xf * x_scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :x.shape[1]]
 
 
 def splits(roles: Sequence[str], role: str, count: int) -> list:

@@ -21,8 +21,6 @@ median, 90th percentile and maximum over the replays.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks import arms
+from benchmarks import arms, common
 
 # trace points (csrc/core/layout.h TracePoint)
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
@@ -194,22 +192,16 @@ def main(argv=None) -> int:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--capacity", type=int, default=0, help="tokens per rank (default max T)")
-    p.add_argument("--queue-ahead-us", type=float, default=200.0,
-                   help="sleep kernel queued before each timed replay (as benchmarks.run)")
-    p.add_argument("--attention-delay-us", type=float, default=300.0)
+    common.add_timing_args(p, queue_ahead_us=200.0, attention_delay_us=300.0)
     p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")
     p.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
                    help="protocol controls for the afdep arm only (e.g. AFDEP_WIDE_LOCAL=0)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
-    from benchmarks.run import parse_afdep_env
-    from torch_afdep.testing import spawn_world
-
-    afdep_env = parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
+    afdep_env = common.parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if not 0 <= args.queue_ahead_us <= 1e4 or not 0 <= args.attention_delay_us <= 1e5:
-        p.error("--queue-ahead-us must be in [0, 10000] and --attention-delay-us in [0, 100000]")
+    common.check_timing_args(p, args)
     if min(args.tokens) < 1 or (args.capacity and max(args.tokens) > args.capacity):
         p.error(f"--tokens must be in [1, --capacity={args.capacity or 'max T'}], "
                 f"got {args.tokens}")
@@ -230,19 +222,23 @@ def main(argv=None) -> int:
                     "warmup": 10, "replays": args.replays,
                     "attention_delay_us": args.attention_delay_us,
                     "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir}
-            env = {"AFDEP_TRACE": "1", "NCCL_NVLS_ENABLE": "0"}
+            env = {"AFDEP_TRACE": "1"}
             env.update({"AFDEP_SYMMETRIC": "1"} if arm == "symmetric" else afdep_env)
-            res = spawn_world(body, 2, spec, backend="gloo", device_ids=[0, 1], env=env,
-                              timeout=600)
+            res, error = common.spawn(body, 2, spec, device_ids=[0, 1], env=env, timeout=600)
+            if res is None:
+                print(f"benchmarks.trace: {arm} repeat {rep} failed: {error}", file=sys.stderr)
+                return 1
             rows = res[0]["rows"] or res[1]["rows"]
             results[arm].append(rows)
             extra = f", {' '.join(args.afdep_env)}" if arm == "afdep" and args.afdep_env else ""
             _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F H{args.hidden} {args.dtype} "
                         f"{args.routing}, {args.sms} SMs, {args.replays} replays", rows)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+        names = common.nvidia_smi().get("names") or []
+        common.write_json(args.out, {"args": vars(args), "results": results,
+                                     "machine": common.machine_name(names),
+                                     "commit": common.git_commit(),
+                                     "env": dict(common.software(), vars=common.recorded_env())})
     return 0
 
 

@@ -1,6 +1,7 @@
-"""CPU tests of the benchmark harness (benchmarks/): arguments, statistics, aggregation,
-writers, the nccl arm's torch-op exchange against torch_afdep.reference, and the whole
-harness end to end in --cpu-smoke mode (gloo, eager steps; the GPU run itself is not here).
+"""CPU tests of the benchmark harness (benchmarks/): arguments, the shared core
+(benchmarks.common), statistics, aggregation, writers, the nccl arm's torch-op exchange
+against torch_afdep.reference, and the whole harness end to end in --cpu-smoke mode (gloo,
+eager steps; the GPU run itself is not here).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import time
 import pytest
 import torch
 
-from benchmarks import report, run, stats
+from benchmarks import arms, common, overlap, report, run, soak, stats
 from benchmarks import torch_exchange as tx
+from benchmarks.common import ROOT
+from torch_afdep import env
 from torch_afdep import reference as ref
 from torch_afdep.config import Config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- arguments ----------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def _doc(tmp_path):
 def test_json_schema_fields(tmp_path):
     doc = _doc(tmp_path)
     path = str(tmp_path / "x.json")
-    report.write_json(path, doc)
+    common.write_json(path, doc)
     d = json.load(open(path))
     for k in ("machine", "commit", "env", "results", "comparisons", "registered", "probe",
               "args", "method", "notes", "worlds", "started", "finished"):
@@ -325,11 +326,84 @@ def test_plot_is_optional(tmp_path):
         assert msg is None and os.path.getsize(path) > 0
 
 
-def test_machine_slug_and_commit():
-    assert run.machine_slug(["NVIDIA H200", "NVIDIA H200"]) == "2xH200"
-    assert run.machine_slug([]) == "nogpu"
-    c = run.git_commit()
+# ---- the shared core ----------------------------------------------------------------------
+def test_machine_slug_names_results_files():
+    assert common.machine_slug(["NVIDIA H200", "NVIDIA H200"]) == "h200x2"
+    assert common.machine_slug(["NVIDIA H100 80GB HBM3"] * 4) == "h100x4"
+    assert common.machine_slug([]) == "cpu"
+    assert common.machine_name(["NVIDIA H200"] * 2) == "2 × NVIDIA H200"
+    assert common.machine_name([]) is None
+
+
+def test_commit_from_the_registry_then_git(monkeypatch):
+    monkeypatch.setenv("AFDEP_COMMIT", "0fea946")
+    assert common.git_commit() == "0fea946"
+    monkeypatch.delenv("AFDEP_COMMIT")
+    c = common.git_commit()
     assert c == "unknown" or len(c.split("-")[0]) == 40
+
+
+def test_every_harness_writes_to_results_benchmarks_by_default():
+    want = os.path.join(ROOT, "results", "benchmarks")
+    assert common.DEFAULT_OUT_DIR == want
+    assert run.parse_args([]).out_dir == want
+    assert overlap.parse_args([]).out_dir == want
+    assert soak.parse_args([]).out_dir == want
+
+
+def test_output_folder_is_created_when_written(tmp_path):
+    path = common.output_path(str(tmp_path / "a" / "b"), "stem", "json")
+    assert path == str(tmp_path / "a" / "b" / "stem.json")
+    common.write_json(path, {"x": float("nan"), "y": object})
+    assert json.load(open(path))["y"] == str(object)
+
+
+def test_failed_world_is_an_outcome_not_an_exception():
+    ranks, err = common.spawn(_raise_on_rank_one, 2, timeout=120)
+    assert ranks is None and "WorldError" in err and "rank 1 failed" in err
+    ranks, err = common.spawn(_child_env, 1, timeout=120, env={"AFDEP_TRACE": "1"})
+    assert err is None
+    assert ranks[0] == dict(common.CHILD_ENV, AFDEP_TRACE="1")
+
+
+def _raise_on_rank_one(rank, world):
+    if rank == 1:
+        raise RuntimeError("boom")
+    return rank
+
+
+def _child_env(rank, world):
+    names = set(common.CHILD_ENV) | {"AFDEP_TRACE"}
+    return {k: v for k, v in os.environ.items() if k in names}
+
+
+def test_cell_inputs_are_the_references_and_the_same_for_every_arm():
+    """Every arm of a repeat builds a cell's inputs from reference.make_inputs with the same
+    seed: only the repeat, the cell and the Attention index change them."""
+    s = arms.cell_seed(1234, 1, 3)
+    assert s == arms.cell_seed(1234, 1, 3) != arms.cell_seed(1234, 2, 3)
+    assert s != arms.cell_seed(1234, 1, 4)
+    cfg = Config(capacity_tokens_per_rank=16, hidden_size=256, num_experts=16, top_k=4,
+                 ffn_ranks=2, attention_ranks=1, dtype=torch.float8_e4m3fn)
+    a, b = ref.make_inputs(cfg, 8, "skewed", s), ref.make_inputs(cfg, 8, "skewed", s)
+    assert all(torch.equal(x.view(torch.uint8) if x.dtype == cfg.dtype else x, y.view(
+        torch.uint8) if y.dtype == cfg.dtype else y) for x, y in zip(a, b))
+    ids = a.expert_ids.clone()
+    ids[0, 1] = ids[0, 0]   # a repeat makes no row
+    ids[1, 2] = -1          # nor does -1
+    want = (ref.dedupe(ids) >= 0).sum(dim=1)
+    assert torch.equal(arms.served_rows(cfg, ids), want)
+    assert int(want[0]) == cfg.top_k - 1
+
+
+def test_no_contract_logic_left_in_benchmarks():
+    """Block quantization and duplicate-id handling live in torch_afdep.reference only."""
+    assert not hasattr(tx, "local_entries") and not hasattr(tx, "dequantize_rows")
+    assert not hasattr(arms, "make_inputs") and not hasattr(arms, "check_output")
+    for name in os.listdir(os.path.join(ROOT, "benchmarks")):
+        if name.endswith(".py"):
+            src = open(os.path.join(ROOT, "benchmarks", name)).read()
+            assert "448" not in src and "amax" not in src, name
 
 
 # ---- the nccl arm's exchange, against the reference ---------------------------------------
@@ -353,7 +427,7 @@ def _simulate(cfg, inputs, bucket):
         el = torch.searchsorted(ex.expert_offsets[1:].to(torch.int64), torch.arange(n),
                                 right=True)
         e = (el + f * cfg.experts_per_rank).to(torch.float32)
-        rows = (tx.dequantize_rows(ex.x, ex.x_scales) * (1 + e / cfg.num_experts)[:, None]
+        rows = (ref.dequantize(ex.x, ex.x_scales) * (1 + e / cfg.num_experts)[:, None]
                 * ex.weights[:, None]).to(torch.bfloat16)     # the caller weights each row
         replies.append(tx.reduce_rows(rows, ex.row_token, cfg.attention_ranks * bucket)
                        .view(cfg.attention_ranks, bucket, cfg.hidden_size))
@@ -362,20 +436,17 @@ def _simulate(cfg, inputs, bucket):
     return outs, expanded
 
 
-def _inputs(cfg, tokens, routing, g):
+def _inputs(cfg, tokens, routing, seed):
+    """One (x, ids, weights, x_scales) per Attention index from reference.make_inputs, with
+    a repeated id and a token without experts; odd T sends int32 ids."""
     out = []
-    for t in tokens:
-        x32 = torch.randn(t, cfg.hidden_size, generator=g)
-        if cfg.dtype == torch.float8_e4m3fn:
-            sc = torch.rand(t, cfg.hidden_size // 128, generator=g) + 0.5
-            x = x32.to(cfg.dtype)
-        else:
-            sc, x = None, x32.to(torch.bfloat16)
-        ids, w = ref.random_routing(cfg, t, routing, generator=g)
+    for a, t in enumerate(tokens):
+        x, ids, w, sc = ref.make_inputs(cfg, t, routing, seed, a,
+                                        id_dtype=torch.int32 if t % 2 else torch.int64)
         if t > 3:
             ids[2, 3] = ids[2, 1]      # a repeated id counts once
             ids[3] = -1                # a token with no expert at all
-        out.append((x, ids.to(torch.int32) if t % 2 else ids, w, sc))
+        out.append((x, ids, w, sc))
     return out
 
 
@@ -391,8 +462,7 @@ def _inputs(cfg, tokens, routing, g):
 def test_torch_exchange_matches_reference(dtype, A, F, E, k, tokens, bucket, routing):
     cfg = Config(capacity_tokens_per_rank=64, hidden_size=256, num_experts=E, top_k=k,
                  ffn_ranks=F, attention_ranks=A, dtype=dtype)
-    g = torch.Generator().manual_seed(A * 100 + F * 10 + k)
-    inputs = _inputs(cfg, tokens, routing, g)
+    inputs = _inputs(cfg, tokens, routing, A * 100 + F * 10 + k)
     outs, expanded = _simulate(cfg, inputs, bucket)
     counts = ref.expert_counts(cfg, [i[1] for i in inputs])
     for f, ex in enumerate(expanded):
@@ -439,15 +509,11 @@ def test_row_layout_alignment():
 def test_expected_output_of_the_benchmark_expert():
     """The timed step's 'expert' is a BF16 cast of each received row, unweighted, so an
     exchange returns n_valid(t) * x[t]; the harness checks outputs against this."""
-    from benchmarks.arms import check_output, expected_output
-
     cfg = Config(capacity_tokens_per_rank=16, hidden_size=256, num_experts=16, top_k=4,
                  ffn_ranks=2, attention_ranks=1)
-    g = torch.Generator().manual_seed(3)
-    (x, ids, w, sc), = _inputs(cfg, [8], "partial", g)
+    (x, ids, w, sc), = _inputs(cfg, [8], "partial", 3)
     lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
-    valid = sum((tx.local_entries(ids, f, cfg.experts_per_rank) < cfg.experts_per_rank)
-                .sum(dim=1) for f in range(cfg.ffn_ranks))
+    want = arms.expected_output(x, arms.served_rows(cfg, ids))
     send = tx.new_send_buffer(lay, cfg.ffn_ranks, 8, "cpu")
     tx.pack_dispatch(send, lay, x, ids, w, sc)
     replies = []
@@ -456,8 +522,8 @@ def test_expected_output_of_the_benchmark_expert():
                        8, torch.tensor([2], dtype=torch.int32))
         replies.append(tx.reduce_rows(ex.x.to(torch.bfloat16), ex.row_token, 8))
     out = tx.collect(torch.stack(replies), 8)
-    assert check_output(out, expected_output(x, valid)) < 5e-3  # one BF16 rounding
-    assert check_output(out * 2, expected_output(x, valid)) > 0.5
+    assert ref.relative_error(out, want) < 5e-3  # one BF16 rounding
+    assert ref.relative_error(out * 2, want) > 0.5
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -557,8 +623,6 @@ def test_cpu_smoke_zero_copy(tmp_path):
 def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
     """--afdep-env sets a control in the afdep arm's processes (recorded per world from the
     children's own parse of the environment); the symmetric arm stays fully reverted."""
-    from torch_afdep import controls
-
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "1", "--replays", "2",
                  "--warmup", "1", "--arms", "afdep", "symmetric", "--hidden", "256",
                  "--afdep-env", "AFDEP_SIZED_GRID=1", "--kernel-timeout", "10",
@@ -567,7 +631,7 @@ def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
     d = json.load(open(tmp_path / "ab.json"))
     assert d["args"]["afdep_env"] == ["AFDEP_SIZED_GRID=1"]
     flags = {w["arm"]: w["afdep_flags"] for w in d["worlds"]}
-    assert flags == {"afdep": controls.DEFAULT | controls.CONTROLS["AFDEP_SIZED_GRID"].bit,
+    assert flags == {"afdep": env.DEFAULT_FLAGS | env.CONTROLS["AFDEP_SIZED_GRID"].bit,
                      "symmetric": 0}
     md = open(tmp_path / "ab.md").read()
     assert "- afdep arms: transport ipc, afdep arm with AFDEP_SIZED_GRID=1" in md

@@ -8,7 +8,6 @@ written), including an injected fault that the checks must catch. The GPU run it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,8 +15,7 @@ import pytest
 import torch
 
 from benchmarks import soak
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import ROOT
 
 
 def test_defaults_and_smoke_defaults():
