@@ -189,11 +189,13 @@ class Buffer:
             None; ``source_collect(slot=slot)`` returns the result.
         """
         self._slots.require_role(ATTENTION, "source_dispatch")
-        self.config.check_slot(validate.check_int("slot", slot))
-        validate.dispatch_args(self.config, self.device, x, expert_ids, weights, x_scales,
-                               bucket)
+        validate.python_types(ints=(("bucket", bucket), ("slot", slot)),
+                              tensors=(("x", x), ("expert_ids", expert_ids),
+                                       ("weights", weights)),
+                              optional_tensors=(("x_scales", x_scales),))
         self._run(torch.ops.afdep.dispatch, self.state, x, expert_ids, weights, x_scales,
-                  self.group_name, self.buffer_id, bucket, slot)
+                  self.group_name, self.buffer_id, bucket, slot,
+                  validate.check_values_eagerly(self.device))
 
     def source_collect(self, *, slot: int = 0, zero_copy: bool = False) -> torch.Tensor:
         """Receive and sum the FFN ranks' replies of ``slot``.
@@ -241,8 +243,7 @@ class Buffer:
             goes to ``worker_reply``.
         """
         self._slots.require_role(FFN, "worker_receive")
-        self.config.check_slot(validate.check_int("slot", slot))
-        validate.receive_args(self.config, bucket)
+        validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
         outs = self._run(torch.ops.afdep.receive, self.state, self.group_name,
                          self.buffer_id, bucket, slot)
         return package(self._slots, bucket, outs, self._slots.sequence(slot), slot)
@@ -265,8 +266,8 @@ class Buffer:
         # Out of order first: a reply with nothing received is that, whatever it carries.
         self._slots.expect(receipt.slot if isinstance(receipt, Receipt) else
                            (slot or 0), "reply")
-        slot = validate.reply_args(self.config, self.device, self._slots.key, rows, receipt,
-                                   slot)
+        slot = validate.receipt(self.config, self._slots.key, receipt, slot)
+        validate.python_types(tensors=(("rows", rows),))
         if receipt.sequence != self._slots.sequence(slot):
             raise AfdepStateError(
                 f"stale receipt: it is from exchange {receipt.sequence}, the current one is "

@@ -5,7 +5,9 @@ compiled region); ``group`` may be a ProcessGroup, its ``group_name``, or None (
 group), and ``buffer_id`` picks among several open buffers of one group.
 
 Attention ranks call ``afd_dispatch`` then ``afd_combine``; FFN ranks ``afd_receive`` then
-``afd_reply``, each on the same micro-batch ``slot``.
+``afd_reply``, each on the same micro-batch ``slot``. The ops check roles, order and
+arguments when they run (before anything is sent), so errors keep their real types inside
+compiled code too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.afdep.*)
 from . import registry, validate
-from .config import ATTENTION, FFN
+from .config import FFN
 from .types import Receipt, Received
 
 
@@ -30,10 +32,8 @@ def _group_name(group) -> str:
     return group.group_name
 
 
-def _slots(group, buffer_id, role: str, what: str):
-    slots = registry.resolve(_group_name(group), buffer_id)
-    slots.require_role(role, what)
-    return slots
+def _slots(group, buffer_id):
+    return registry.resolve(_group_name(group), buffer_id)
 
 
 def afd_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, *,
@@ -52,12 +52,13 @@ def afd_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tenso
         route: [T] int64 (bit f: the token reached FFN index f); pass it to ``afd_combine``
         on the same slot.
     """
-    slots = _slots(group, buffer_id, ATTENTION, "afd_dispatch")
-    slots.config.check_slot(validate.check_int("slot", slot))
-    validate.dispatch_args(slots.config, slots.device, x, expert_ids, weights, x_scales,
-                           bucket)
+    slots = _slots(group, buffer_id)
+    validate.python_types(ints=(("bucket", bucket), ("slot", slot)),
+                          tensors=(("x", x), ("expert_ids", expert_ids), ("weights", weights)),
+                          optional_tensors=(("x_scales", x_scales),))
     return torch.ops.afdep.dispatch(slots.state, x, expert_ids, weights, x_scales,
-                                    slots.group_name, slots.buffer_id, bucket, slot)
+                                    slots.group_name, slots.buffer_id, bucket, slot,
+                                    validate.check_values_eagerly(slots.device))
 
 
 def afd_combine(route: torch.Tensor, *, group=None, buffer_id: Optional[int] = None,
@@ -70,9 +71,8 @@ def afd_combine(route: torch.Tensor, *, group=None, buffer_id: Optional[int] = N
         out: [T, H] bfloat16, the fp32 sum of every FFN rank's reply row of each token
         (zero for tokens without a valid expert).
     """
-    slots = _slots(group, buffer_id, ATTENTION, "afd_combine")
-    slots.config.check_slot(validate.check_int("slot", slot))
-    validate.route(slots.config, slots.device, route)
+    slots = _slots(group, buffer_id)
+    validate.python_types(ints=(("slot", slot),), tensors=(("route", route),))
     return torch.ops.afdep.combine(slots.state, route, slots.group_name, slots.buffer_id,
                                    slot)
 
@@ -99,9 +99,8 @@ def afd_receive(*, group=None, bucket: int, buffer_id: Optional[int] = None,
         a ``Received`` (shapes in ``torch_afdep.types.Received``); its ``receipt`` goes to
         ``afd_reply``.
     """
-    slots = _slots(group, buffer_id, FFN, "afd_receive")
-    slots.config.check_slot(validate.check_int("slot", slot))
-    validate.receive_args(slots.config, bucket)
+    slots = _slots(group, buffer_id)
+    validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
     outs = torch.ops.afdep.receive(slots.state, slots.group_name, slots.buffer_id, bucket,
                                    slot)
     return package(slots, bucket, outs, sequence, slot)
@@ -119,8 +118,10 @@ def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
     Returns:
         an empty [0] int32 dependency token.
     """
-    slots = _slots(group, buffer_id, FFN, "afd_reply")
-    slot = validate.reply_args(slots.config, slots.device, slots.key, rows, receipt, slot)
+    slots = _slots(group, buffer_id)
+    slots.require_role(FFN, "afd_reply")
+    slot = validate.receipt(slots.config, slots.key, receipt, slot)
+    validate.python_types(tensors=(("rows", rows),))
     return torch.ops.afdep.reply(slots.state, rows, receipt.token_rows, receipt.token_index,
                                  receipt.num_tokens, slots.group_name, slots.buffer_id, slot)
 

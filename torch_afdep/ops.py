@@ -16,9 +16,11 @@ Each real kernel finds the buffer's ``slots.Slots`` from ``(group_name, buffer_i
 it check the slot's phase (``begin``), runs that slot's transport on the current stream and
 advances the phase (``end``). ``state`` is the buffer's ordering token: declared mutated, it
 orders one buffer's ops in a traced graph and keeps ``reply`` from being eliminated.
-Arguments are validated before the ops are called (``torch_afdep.validate``, used by the role
-API and the ``afd_*`` functions in ``torch_afdep.functional``); fake kernels check only what
-they need to give shapes, and raise the same errors.
+The real kernels validate their arguments (``torch_afdep.validate``) after the state checks
+and before anything is sent, so a bad argument raises its real TypeError / ValueError with
+our message eagerly and inside compiled code alike (at run time: dynamo would hide an
+exception raised while tracing). The fake kernels only give shapes and never raise for bad
+values.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import registry
+from . import registry, validate
 from .config import Config
 
 
@@ -43,6 +45,7 @@ def dispatch(
     buffer_id: int,
     bucket: int,
     slot: int,
+    check_values: bool = False,
 ) -> torch.Tensor:
     """Attention: send each token once to every FFN rank holding one of its experts.
 
@@ -52,11 +55,15 @@ def dispatch(
         weights: [T, k] float32 routing weights.
         x_scales: [T, H/128] float32 (FP8) or None.
         bucket: static token bucket (T <= bucket); slot: micro-batch slot.
+        check_values: eager callers on CUDA read expert_ids on the host to refuse bad ids
+            before the launch (``validate``; the CPU transport always checks them).
     Returns:
         route: [T] int64, bit f set when the token reached FFN index f.
     """
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "dispatch")
+    validate.dispatch_args(slots.config, slots.device, x, expert_ids, weights, x_scales,
+                           bucket, check_values)
     route = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     transport.dispatch(x, expert_ids, weights, x_scales, bucket, route)
     slots.end(slot, "dispatch", state, route)
@@ -64,8 +71,9 @@ def dispatch(
 
 
 @dispatch.register_fake
-def _(state, x, expert_ids, weights, x_scales, group_name, buffer_id, bucket, slot):
-    registry.lookup(group_name, buffer_id).config.check_slot(int(slot))  # int(): a SymInt
+def _(state, x, expert_ids, weights, x_scales, group_name, buffer_id, bucket, slot,
+      check_values=False):
+    registry.lookup(group_name, buffer_id)
     return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 
@@ -82,6 +90,7 @@ def combine(state: torch.Tensor, route: torch.Tensor, group_name: str, buffer_id
     """
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "combine")
+    validate.route(slots.config, slots.device, route)
     out = torch.empty(route.shape[0], slots.config.hidden_size, dtype=torch.bfloat16,
                       device=route.device)
     transport.combine(route, out)
@@ -92,7 +101,6 @@ def combine(state: torch.Tensor, route: torch.Tensor, group_name: str, buffer_id
 @combine.register_fake
 def _(state, route, group_name, buffer_id, slot):
     cfg = registry.lookup(group_name, buffer_id).config
-    cfg.check_slot(int(slot))
     return route.new_empty((route.shape[0], cfg.hidden_size), dtype=torch.bfloat16)
 
 
@@ -129,6 +137,7 @@ def receive(state: torch.Tensor, group_name: str, buffer_id: int, bucket: int, s
     """
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "receive")
+    validate.receive_args(slots.config, bucket)
     device = slots.device
     outs = receive_outputs(slots.config, bucket,
                            lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
@@ -140,8 +149,10 @@ def receive(state: torch.Tensor, group_name: str, buffer_id: int, bucket: int, s
 @receive.register_fake
 def _(state, group_name, buffer_id, bucket, slot):
     slots = registry.lookup(group_name, buffer_id)
-    slots.config.check_slot(int(slot))
     device = slots.device
+    # A bad bucket raises in the real kernel (at run time, with its real type); shapes here
+    # only need to be valid.
+    bucket = min(max(int(bucket), 1), slots.config.capacity_tokens_per_rank)
     return receive_outputs(slots.config, bucket,
                            lambda shape, dtype: state.new_empty(shape, dtype=dtype,
                                                                 device=device))
@@ -170,6 +181,8 @@ def reply(
     """
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "reply")
+    validate.reply_tensors(slots.config, slots.device, rows, token_rows, token_index,
+                           num_tokens)
     transport.reply(rows, token_rows, token_index, num_tokens)
     slots.end(slot, "reply", state)
     return torch.empty(0, dtype=torch.int32, device=rows.device)
@@ -177,7 +190,7 @@ def reply(
 
 @reply.register_fake
 def _(state, rows, token_rows, token_index, num_tokens, group_name, buffer_id, slot):
-    registry.lookup(group_name, buffer_id).config.check_slot(int(slot))  # int(): a SymInt
+    registry.lookup(group_name, buffer_id)
     return rows.new_empty((0,), dtype=torch.int32)
 
 

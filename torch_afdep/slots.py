@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from .config import Config
+from .config import ATTENTION, FFN, Config
 from .errors import AfdepStateError
 from .transport.base import Transport
 
@@ -45,6 +45,8 @@ _OUT_OF_ORDER = {
     "reply": "no receive is open on slot {slot} (worker_reply called without a preceding "
              "worker_receive on slot {slot})",
 }
+
+_ROLE_OF_OP = {"dispatch": ATTENTION, "combine": ATTENTION, "receive": FFN, "reply": FFN}
 
 _ORDER_CHECKS = True
 
@@ -115,9 +117,9 @@ class Slots:
         return self._phase[self.config.check_slot(slot)]
 
     def begin(self, slot: int, op: str) -> Transport:
-        """The transport of ``slot`` once its phase allows ``op``; raises the slot's pending
-        device error first (one poll)."""
-        self.check_usable(f"afdep::{op}")
+        """The transport of ``slot`` once this rank's role runs ``op`` and the slot's phase
+        allows it; raises the slot's pending device error first (one poll)."""
+        self.require_role(_ROLE_OF_OP[op], f"afdep::{op}")
         transport = self.transports[self.config.check_slot(slot)]
         transport.check_error()
         self.expect(slot, op)

@@ -24,6 +24,19 @@ def check_int(name: str, value) -> int:
     return value
 
 
+def python_types(ints=(), tensors=(), optional_tensors=()) -> None:
+    """The checks that must happen before an op is called (its schema would refuse these with
+    torch's own error): ``ints`` and ``tensors`` are (name, value) pairs."""
+    for name, v in ints:
+        check_int(name, v)
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in optional_tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+
+
 def check_tensor(name: str, t, dtypes, shape, device) -> None:
     """TypeError/ValueError naming ``name`` unless t is a contiguous tensor of one of
     ``dtypes`` with ``shape`` (None entries match any size) on ``device``."""
@@ -61,8 +74,9 @@ def check_expert_id_values(expert_ids: torch.Tensor, num_experts: int) -> None:
         raise expert_id_error(lo if lo < -1 else hi, num_experts)
 
 
-def _check_values_here(device: torch.device) -> bool:
-    """Eager CUDA only (see the module docstring)."""
+def check_values_eagerly(device: torch.device) -> bool:
+    """Whether an eager caller should ask the dispatch to read expert ids on the host: on
+    CUDA outside compiled code and graph capture, unless AFDEP_CHECK_INPUTS=0."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return False
     if torch.cuda.is_current_stream_capturing():
@@ -71,8 +85,9 @@ def _check_values_here(device: torch.device) -> bool:
 
 
 def dispatch_args(config: Config, device: torch.device, x, expert_ids, weights, x_scales,
-                  bucket) -> None:
-    """The arguments of a dispatch (shapes: ``Buffer.source_dispatch``)."""
+                  bucket, check_values: bool = False) -> None:
+    """The arguments of a dispatch (shapes: ``Buffer.source_dispatch``); ``check_values``
+    also reads expert_ids on the host (eager CUDA)."""
     check_int("bucket", bucket)
     check_tensor("x", x, (config.dtype,), (None, config.hidden_size), device)
     t = x.shape[0]
@@ -85,7 +100,7 @@ def dispatch_args(config: Config, device: torch.device, x, expert_ids, weights, 
         check_tensor("x_scales", x_scales, (torch.float32,), (t, config.scale_cols), device)
     elif x_scales is not None:
         raise ValueError("x_scales must be None for BF16 payloads")
-    if t and _check_values_here(device):
+    if t and check_values and device.type == "cuda":
         check_expert_id_values(expert_ids, config.num_experts)
 
 
@@ -101,10 +116,10 @@ def receive_args(config: Config, bucket) -> None:
     config.check_bucket(bucket)
 
 
-def reply_args(config: Config, device: torch.device, buffer_key, rows, receipt,
-               slot: Optional[int]) -> int:
-    """The arguments of a reply; returns the slot (the receipt's; an explicit ``slot`` must
-    agree with it)."""
+def receipt(config: Config, buffer_key, receipt, slot: Optional[int]) -> int:
+    """The Python-side checks of a reply's receipt; returns the slot (the receipt's; an
+    explicit ``slot`` must agree with it). These run in the caller, so inside compiled code
+    torch reports them as a tracing error (docs/contract.md)."""
     from .errors import AfdepStateError
 
     if not isinstance(receipt, Receipt):
@@ -118,11 +133,18 @@ def reply_args(config: Config, device: torch.device, buffer_key, rows, receipt,
     if receipt.buffer_key != buffer_key:
         raise ValueError(f"receipt belongs to buffer {receipt.buffer_key}, not to this "
                          f"buffer {buffer_key}")
-    config.check_slot(receipt.slot)
-    a, b, r = config.attention_ranks, receipt.bucket, config.rows_per_token
+    return config.check_slot(receipt.slot)
+
+
+def reply_tensors(config: Config, device: torch.device, rows, token_rows, token_index,
+                  num_tokens) -> None:
+    """The tensors of a reply: rows [A*bucket*R, H] bfloat16 and the receipt's int32
+    token_rows [A, bucket, R], token_index [A, bucket], num_tokens [A]."""
+    a, r = config.attention_ranks, config.rows_per_token
+    check_tensor("receipt.token_index", token_index, (torch.int32,), (a, None), device)
+    b = token_index.shape[1]
+    config.check_bucket(b)
     check_tensor("rows", rows, (torch.bfloat16,), (config.recv_rows(b), config.hidden_size),
                  device)
-    check_tensor("receipt.token_rows", receipt.token_rows, (torch.int32,), (a, b, r), device)
-    check_tensor("receipt.token_index", receipt.token_index, (torch.int32,), (a, b), device)
-    check_tensor("receipt.num_tokens", receipt.num_tokens, (torch.int32,), (a,), device)
-    return receipt.slot
+    check_tensor("receipt.token_rows", token_rows, (torch.int32,), (a, b, r), device)
+    check_tensor("receipt.num_tokens", num_tokens, (torch.int32,), (a,), device)
