@@ -105,7 +105,8 @@ class CudaTransport(Transport):
             num_sms=c.num_sms, hidden=c.hidden_size, elem=elem, scale_cols=c.scale_cols,
             num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
             timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas),
-            attn_ctas=int(attn_ctas), transport=self.transport_kind)
+            attn_ctas=int(attn_ctas), transport=self.transport_kind,
+            trace=bool(settings.trace), debug=int(settings.debug))
         #: CTAs of the FFN's receive/reply kernels (every rank must agree: Attention ranks
         #: count the reply kernel's CTAs) and of this rank's combine kernel (Attention)
         self.ffn_grid = int(self._comm.ffn_grid)
