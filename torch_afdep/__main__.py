@@ -2,7 +2,7 @@
 
 Commands:
     doctor   check this machine's setup and run a tiny self-test exchange
-             (``--json``, ``--no-selftest``; see torch_afdep/doctor.py)
+             (``--json``, ``--verbose``, ``--no-selftest``; see torch_afdep/tools/doctor.py)
     demo     the main job: a small AFD MoE layer through the exchange
              (same options as ``python -m torch_afdep.demo``)
 """
@@ -21,11 +21,11 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "doctor":
-        from .doctor import main as doctor_main
+        from .tools.doctor import main as doctor_main
 
         return doctor_main(rest)
     if cmd == "demo":
-        from .demo import main as demo_main
+        from .tools.demo import main as demo_main
 
         return demo_main(rest)
     print(f"python -m torch_afdep: unknown command {cmd!r}; choose one of "

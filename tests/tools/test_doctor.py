@@ -1,5 +1,6 @@
-"""``python -m torch_afdep doctor``: sections, --json, simulated problems and their hints
-(in-process through main(argv)), and one real run as a subprocess with the self-test."""
+"""``python -m torch_afdep doctor``: sections, --json, --verbose, simulated problems and their
+hints (in-process through main(argv)), MPS on a (fake) one-GPU machine, and one real run as a
+subprocess with the self-test."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import torch
 
 import torch_afdep
 from torch_afdep import __main__ as cli
-from torch_afdep import controls, doctor
+from torch_afdep import controls, doctor, env
 from torch_afdep.testing import WorldError
 
 SECTIONS = ["== versions", "== extensions", "== GPUs", "== transport", "== environment",
@@ -54,10 +55,7 @@ def test_text_sections(clean_env, capsys):
     assert row(out, "torch") == torch.__version__
     assert row(out, "torch_afdep._C").startswith("built, importable; compiled against torch")
     assert row(out, "afdep c10d backend") == "registered"
-    for name, c in controls.CONTROLS.items():
-        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
-        assert f"-> {c.default}" in line and c.description[:40] in line
-    assert "AFDEP_SYMMETRIC" in out and "NCCL_NVLS_ENABLE" in out
+    assert "NCCL_NVLS_ENABLE" in out
     assert "skipped (--no-selftest)" in out
     assert "OK: no problems found" in out
     if not torch.cuda.is_available():
@@ -104,13 +102,93 @@ def test_nvls_enabled_is_a_problem(clean_env, capsys):
     assert len(d["problems"]) == 1 and d["problems"][0].startswith("NCCL_NVLS_ENABLE is not 0")
 
 
-def test_nvls_unset_without_gpus_is_a_warning(clean_env, capsys):
+def test_nvls_unset_without_gpus_is_silent(clean_env, capsys):
+    """No GPU: nothing uses NCCL, so an unset NCCL_NVLS_ENABLE is neither a problem nor a
+    warning (the old doctor warned); with GPUs it is a problem."""
     clean_env.delenv("NCCL_NVLS_ENABLE")
+    clean_env.setattr(torch.cuda, "is_available", lambda: False)
     rc, d = run_json(capsys)
-    if torch.cuda.is_available():
-        assert rc == 1 and any("NCCL_NVLS_ENABLE is not 0" in p for p in d["problems"])
-    else:
-        assert rc == 0 and any("NCCL_NVLS_ENABLE is unset" in w for w in d["warnings"])
+    assert rc == 0 and d["problems"] == []
+    assert not [w for w in d["warnings"] if "NCCL_NVLS_ENABLE" in w], d["warnings"]
+    rc = doctor.main(["--no-selftest"])
+    out = capsys.readouterr().out
+    assert "warning: NCCL_NVLS_ENABLE" not in out and "OK: no problems found" in out
+
+
+def test_default_text_gives_the_control_mode_not_the_list(clean_env, capsys):
+    rc = doctor.main(["--no-selftest"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert row(out, "protocol controls").startswith("role-aware")
+    named = [n for n in env.CONTROLS if n in out]
+    assert named == [], named  # the old doctor printed every control with its meaning
+    assert "other AFDEP_* variables set: none" in out
+    clean_env.setenv("AFDEP_SINGLE_FFN", "0")
+    doctor.main(["--no-selftest"])
+    out = capsys.readouterr().out
+    assert row(out, "protocol controls").startswith(
+        "mixed: AFDEP_SINGLE_FFN=0 (defaults otherwise)")
+    assert [n for n in env.CONTROLS if n in out] == ["AFDEP_SINGLE_FFN"]
+    clean_env.setenv("AFDEP_SYMMETRIC", "1")
+    doctor.main(["--no-selftest"])
+    out = capsys.readouterr().out
+    assert row(out, "protocol controls").startswith("symmetric")
+
+
+def test_verbose_lists_every_control_and_variable(clean_env, capsys):
+    rc = doctor.main(["--no-selftest", "--verbose"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.splitlines()
+    for name, s in env.SETTINGS.items():
+        line = next(ln for ln in lines if ln.strip().startswith(name + " "))
+        assert s.meaning[:40] in line, line
+        if name in env.CONTROLS:
+            assert f"-> {s.default}" in line, line
+    assert "protocol controls (torch_afdep.env; mode: role-aware)" in out
+
+
+def test_variables_come_from_the_registry(clean_env, capsys):
+    """Every registered non-control variable is known (the old hand-written list missed some,
+    e.g. AFDEP_TEST_BUFFERS, and called them unknown) and shown when set; malformed values are
+    problems, named as torch_afdep.env parses them."""
+    assert doctor.OTHER_AFDEP_ENV == {
+        n: s.meaning for n, s in env.SETTINGS.items() if n not in env.CONTROLS}
+    clean_env.setenv("AFDEP_TEST_BUFFERS", "5")
+    rc, d = run_json(capsys)
+    assert rc == 0 and d["environment"]["afdep_unknown"] == {}
+    assert d["environment"]["afdep_other"]["AFDEP_TEST_BUFFERS"]["value"] == "5"
+    doctor.main(["--no-selftest"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("AFDEP_TEST_BUFFERS"))
+    assert env.SETTINGS["AFDEP_TEST_BUFFERS"].meaning[:30] in line
+    assert "other AFDEP_* variables set: 1" in out
+    clean_env.setenv("AFDEP_TRANSPORT", "shm")
+    rc, d = run_json(capsys)
+    assert rc == 1
+    assert any(p.startswith("AFDEP_TRANSPORT='shm' is invalid (AFDEP_TRANSPORT must be one "
+                            "of ipc, nccl") for p in d["problems"]), d["problems"]
+
+
+def test_one_gpu_without_mps_warns(clean_env, capsys, tmp_path):
+    """A (fake) one-GPU machine: ranks share the GPU, so the doctor names the MPS fix; with the
+    daemon's control pipe present it does not."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(name="Fake H200", major=9, minor=0, total_memory=141 * 2**30)
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "device_count", lambda: 1)
+    clean_env.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    clean_env.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    rc, d = run_json(capsys)
+    assert d["gpus"]["mps_running"] is False
+    assert any("nvidia-cuda-mps-control -d" in w for w in d["warnings"]), d["warnings"]
+    os.mkfifo(tmp_path / "control")
+    rc, d = run_json(capsys)
+    assert d["gpus"]["mps_running"] is True
+    assert not any("MPS" in w for w in d["warnings"]), d["warnings"]
+    doctor.main(["--no-selftest"])
+    assert row(capsys.readouterr().out, "CUDA MPS") == "running"
 
 
 def test_torch_version_mismatch_is_a_problem(clean_env, capsys):
@@ -150,6 +228,9 @@ def test_bad_roles_env_is_a_problem(clean_env, capsys):
     rc, d = run_json(capsys)
     assert rc == 1
     assert any(p.startswith("AFDEP_ROLES='FFXA' is invalid") for p in d["problems"])
+    clean_env.setenv("AFDEP_ROLES", "ffn,attention")  # every parse_roles spelling is fine
+    rc, d = run_json(capsys)
+    assert rc == 0, d["problems"]
 
 
 def test_symmetric_and_reverted_controls_are_reported(clean_env, capsys):
@@ -257,6 +338,13 @@ def test_short_world_error():
                                               "rank 1: ValueError: bad")
     assert doctor._short_world_error("ranks [1] did not finish within 60 s") == \
         "ranks [1] did not finish within 60 s"
+
+
+def test_alias_module_is_the_tool():
+    import torch_afdep.doctor
+    import torch_afdep.tools.doctor
+
+    assert torch_afdep.doctor is torch_afdep.tools.doctor is doctor
 
 
 def test_cli_dispatch(clean_env, capsys):
