@@ -1,10 +1,10 @@
 """A compiled AFD MoE layer: ``torch_afdep.nn.AfdMoE`` under ``torch.compile(fullgraph=True)``.
 
-    python examples/compiled_moe.py [--layout 2A2F] [--steps 4] [--tokens 8]
-                                    [--backend inductor] [--device auto]
+    python examples/compiled_moe.py [--layout 2A2F | --roles FFAA] [--steps 4] [--tokens 8]
+                                    [--backend inductor] [--device auto] [--allow-shared-gpu]
 
 Spawns A Attention + F FFN ranks (CPU over gloo, or CUDA when GPUs and the CUDA extension are
-present). Every rank builds the same ``AfdMoE`` layer on one ``Buffer``: Attention ranks hold
+present; ranks sharing a GPU need CUDA MPS). Every rank builds the same ``AfdMoE`` layer on one ``Buffer``: Attention ranks hold
 the softmax top-k router and compile ``x -> router -> dispatch -> combine``; FFN ranks hold
 their slice of the SwiGLU experts and compile ``receive -> grouped experts -> reply``. Each
 role compiles into one graph (``fullgraph=True``: a graph break would be an error). The
@@ -21,9 +21,9 @@ import time
 import torch
 
 import torch_afdep
-from torch_afdep import demo
 from torch_afdep.nn import AfdMoE, reference_moe
 from torch_afdep.testing import spawn_world
+from torch_afdep.tools import cli
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
 
@@ -91,23 +91,21 @@ def rank_main(rank, world, cfg, steps, t, backend, device_kind):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", type=demo.parse_layout, default=(2, 2))
+    cli.add_layout_arguments(p, default="2A2F")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8, help="tokens per Attention rank")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    cli.add_shared_gpu_argument(p)
     args = p.parse_args(argv)
-    a, f = args.layout
-    kind = args.device
-    if kind == "auto":
-        kind = "cuda" if demo._cuda_ready() else "cpu"
-    cfg = torch_afdep.Config(capacity_tokens_per_rank=args.tokens, hidden_size=HIDDEN,
-                             num_experts=EXPERTS, top_k=TOP_K, ffn_ranks=f, attention_ranks=a,
-                             timeout_s=120.0)
+    a, f, roles = cli.resolve_layout(p, args)
+    kind = cli.device_kind(p, args.device)
+    cfg = cli.make_config(p, capacity_tokens_per_rank=args.tokens, hidden_size=HIDDEN,
+                          num_experts=EXPERTS, top_k=TOP_K, ffn_ranks=f, attention_ranks=a,
+                          roles=roles, timeout_s=120.0)
     device_ids = None
-    if kind == "cuda":
-        n = torch.cuda.device_count()
-        device_ids = [r % n for r in range(a + f)]
+    if kind == "cuda":  # before spawning: refuse GPUs shared without MPS
+        device_ids = cli.gpu_placement(p, a + f, args.allow_shared_gpu)
     print(f"compiled AFD MoE: {a}A{f}F on {kind}, backend {args.backend}, {args.steps} steps "
           f"of {args.tokens} tokens per Attention rank", flush=True)
     results = spawn_world(rank_main, a + f, cfg, args.steps, args.tokens, args.backend, kind,

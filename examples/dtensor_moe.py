@@ -1,8 +1,9 @@
 """Expert weights sharded over the FFN ranks with DTensor, an AFD MoE layer run through the ops.
 
-    python examples/dtensor_moe.py [--layout 2A2F] [--steps 3]
+    python examples/dtensor_moe.py [--layout 2A2F | --roles FFAA] [--steps 3] [--tokens 8]
 
-Every rank joins one ``"afdep"`` process group (roles from ``AfdepOptions``); the FFN ranks
+Every rank joins one ``"afdep"`` process group (its roles from ``AFDEP_ROLES``, e.g.
+``FFAA``: the layout's default order, FFN ranks first, or ``--roles``); the FFN ranks
 build a DeviceMesh over their role group and shard the stacked SwiGLU weights ``[E, ...]``
 with ``distribute_tensor(..., [Shard(0)])``, so FFN index f holds exactly the experts
 ``[f*E/F, (f+1)*E/F)`` the exchange routes to it. Attention ranks route with a softmax top-k
@@ -20,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import torch_afdep
-from torch_afdep import demo
 from torch_afdep.distributed import local_experts, role_meshes, shard_experts
 from torch_afdep.testing import spawn_world
+from torch_afdep.tools import cli, demo
 
 
 def stacked_expert_weights():
@@ -69,17 +70,18 @@ def rank_main(rank, world, cfg, steps, tokens):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", type=demo.parse_layout, default=(2, 2))
+    cli.add_layout_arguments(p, default="2A2F")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=8, help="tokens per Attention rank")
     args = p.parse_args(argv)
-    a, f = args.layout
-    cfg = torch_afdep.Config(capacity_tokens_per_rank=args.tokens, hidden_size=demo.HIDDEN,
-                             num_experts=demo.EXPERTS, top_k=demo.TOP_K, ffn_ranks=f,
-                             attention_ranks=a)
-    roles = "F" * f + "A" * a
+    a, f, roles = cli.resolve_layout(p, args)
+    cfg = cli.make_config(p, capacity_tokens_per_rank=args.tokens, hidden_size=demo.HIDDEN,
+                          num_experts=demo.EXPERTS, top_k=demo.TOP_K, ffn_ranks=f,
+                          attention_ranks=a, roles=roles)
+    # The backend's roles and the Config's must agree (Buffer checks): one spelling, FFAA.
+    spec = "".join("F" if r == torch_afdep.FFN else "A" for r in cfg.role_list)
     results = spawn_world(rank_main, a + f, cfg, args.steps, args.tokens,
-                          backend="afdep", env={"AFDEP_ROLES": roles})
+                          backend="afdep", env={"AFDEP_ROLES": spec})
     worst = 0.0
     for r, res in enumerate(results):
         if res["role"] == "ffn":

@@ -1,6 +1,7 @@
 """Two micro-batches in flight: attention of one overlaps the experts of the other.
 
-    python examples/two_microbatch_pipeline.py [--layout 1A1F] [--layers 4] [--tokens 16]
+    python examples/two_microbatch_pipeline.py [--layout 1A1F | --roles FA] [--layers 4]
+                                               [--tokens 16]
                                                [--attention-ms 20] [--expert-ms 20] [--steps 3]
 
 Each Attention rank splits its batch into two micro-batches and runs an L-layer MoE model
@@ -30,9 +31,9 @@ import time
 import torch
 
 import torch_afdep
-from torch_afdep import demo
 from torch_afdep.nn import SwiGLUExperts, reference_moe, topk_route
 from torch_afdep.testing import spawn_world
+from torch_afdep.tools import cli, demo
 
 HIDDEN, INTER, EXPERTS, TOP_K = 128, 64, 8, 2
 #: Results of the last main() call (tests read them).
@@ -168,17 +169,17 @@ def rank_main(rank, world, cfg, layers, tokens, attention_ms, expert_ms, steps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", type=demo.parse_layout, default=(1, 1))
+    cli.add_layout_arguments(p, default="1A1F")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16, help="tokens per Attention rank and step")
     p.add_argument("--attention-ms", type=float, default=20.0)
     p.add_argument("--expert-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=2, help="timed steps per schedule")
     args = p.parse_args(argv)
-    a, f = args.layout
-    cfg = torch_afdep.Config(capacity_tokens_per_rank=(args.tokens + 1) // 2,
-                             hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                             ffn_ranks=f, attention_ranks=a, num_slots=2, timeout_s=120.0)
+    a, f, roles = cli.resolve_layout(p, args)
+    cfg = cli.make_config(p, capacity_tokens_per_rank=(args.tokens + 1) // 2,
+                          hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K, ffn_ranks=f,
+                          attention_ranks=a, roles=roles, num_slots=2, timeout_s=120.0)
     print(f"two micro-batches: {a}A{f}F on cpu (gloo), {args.layers} layers, "
           f"{args.tokens} tokens per Attention rank split in 2, synthetic attention "
           f"{args.attention_ms:g} ms and experts {args.expert_ms:g} ms per micro-batch and "

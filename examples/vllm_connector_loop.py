@@ -28,9 +28,10 @@ from types import SimpleNamespace
 
 import torch
 
-from torch_afdep import demo
+from torch_afdep.integrations.vllm import parse_settings
 from torch_afdep.nn import SwiGLUExperts, reference_moe, topk_route
 from torch_afdep.testing import spawn_world
+from torch_afdep.tools import cli, demo
 
 HIDDEN, INTER, EXPERTS, TOP_K, UBATCHES = 128, 64, 8, 2, 2
 
@@ -150,14 +151,15 @@ def rank_main(rank, world, a, f, layers, steps, tokens):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", type=demo.parse_layout, default=(1, 1))
+    cli.add_layout_arguments(p, default="1A1F", with_roles=False)  # FFN ranks first
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tokens", type=int, default=12, help="tokens per Attention rank and step")
     args = p.parse_args(argv)
-    a, f = args.layout
-    if EXPERTS % f:
-        p.error(f"{EXPERTS} experts cannot be split over {f} FFN ranks")
+    a, f, _ = cli.resolve_layout(p, args)
+    # What every rank's connector will build: an unsupported layout fails here, not there.
+    cli.build_or_error(p, a, f, lambda: parse_settings(
+        vllm_config("ffn", 0, a, f, args.layers, (args.tokens + 1) // 2)).afdep_config())
     print(f"vLLM AFD connector loop: {a}A{f}F on cpu (gloo), {args.layers} layers, "
           f"{UBATCHES} ubatches, {args.steps} steps (1 warm-up) of {args.tokens} tokens",
           flush=True)
