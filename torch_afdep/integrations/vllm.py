@@ -37,8 +37,9 @@ What this connector assumes (the plugin leaves these to the connector):
   same metadata. The connector multiplies each row by its routing weight unless the model did
   and set ``metadata.weights_applied = True``; it then sums each token's rows and sends one
   row per token back.
-- **ubatch_idx selects a micro-batch slot** (``Config.num_slots`` = ``num_ubatches``): up to that
-  many exchanges are in flight at once; a slot is reused only after its exchange finished
+- **ubatch_idx selects a micro-batch slot** (``num_ubatches`` is the Buffer API's
+  ``Config.num_slots``; the extra config takes either name): up to that many exchanges are in
+  flight at once; a slot is reused only after its exchange finished
   (``AfdepStateError`` otherwise). On FFN ranks ``ubatch_idx=None`` cycles through the slots.
 - **CUDA graphs.** All memory is allocated in ``init_afd_connector``; ``recv_ffn_output``
   writes into a preallocated per-slot output ``[capacity, H]`` (and returns a view of its first
@@ -50,14 +51,17 @@ What this connector assumes (the plugin leaves these to the connector):
 - ``timeout_ms`` is accepted and ignored: ``timeout_s`` (extra config) bounds every wait.
 
 Configuration. The connector reads the plugin's AFD config (``afd_config`` argument, or
-``vllm_config.additional_config["afd"]``, or the in-tree ``vllm_config.afd_config``): role,
-``num_attention_ranks``/``num_ffn_ranks`` (or ``extra_config["afd_size"] = "2A2F"``),
+``vllm_config.additional_config["afd"]``, or the in-tree ``vllm_config.afd_config``): role
+(``"attention"`` / ``"ffn"``, or ``"A"`` / ``"F"``: ``parse_roles``' spellings),
+``num_attention_ranks``/``num_ffn_ranks`` (or ``extra_config["afd_size"] = "2A2F"``, a layout
+as ``torch_afdep.config.parse_layout`` reads it: Attention ranks, then FFN ranks),
 ``afd_role_rank``, ``host``/``port``, and these ``extra_config`` keys (model sizes default to
 ``model_config.hf_config``): ``capacity_tokens_per_rank`` (tokens per Attention rank and
-micro-batch; default ``scheduler_config.max_num_batched_tokens``), ``num_ubatches`` (default
-``num_afd_stages`` or 2), ``bucket``, ``hidden_size``, ``num_experts``, ``top_k``,
-``num_layers``, ``dtype`` (``"bfloat16"`` | ``"float8_e4m3fn"``), ``num_sms``, ``timeout_s``,
-``device`` (``"cuda"`` | ``"cpu"``). AFD group ranks: FFN ranks ``[0, F)`` then Attention ranks
+micro-batch; default ``scheduler_config.max_num_batched_tokens``), ``num_ubatches`` (or its
+Buffer API name ``num_slots``, the same setting; default ``num_afd_stages`` or 2),
+``bucket``, ``hidden_size``, ``num_experts``, ``top_k``, ``num_layers``, ``dtype``
+(``"bfloat16"`` | ``"float8_e4m3fn"``), ``num_sms``, ``timeout_s``, ``device`` (``"cuda"`` |
+``"cpu"``). AFD group ranks: FFN ranks ``[0, F)`` then Attention ranks
 ``[F, F+A)``, each at ``afd_role_rank`` within its role.
 
 Example (AFD plugin: register the name, then select it)::
@@ -82,7 +86,6 @@ else, when torch.distributed is not initialized, a new default gloo group at
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 from typing import Any, Dict, Mapping, Optional
 
@@ -90,10 +93,12 @@ import torch
 import torch.distributed as dist
 
 from .. import ops as _ops
-from ..config import ATTENTION, FFN, Config
+from ..config import ATTENTION, FFN, Config, parse_layout, parse_roles
 from ..errors import AfdepStateError
 
 CONNECTOR_NAME = "afdep"
+#: How messages name the roles.
+_ROLE_NAMES = {ATTENTION: "Attention", FFN: "FFN"}
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
@@ -171,6 +176,11 @@ class ConnectorSettings:
     port: int = 29600
 
     @property
+    def num_slots(self) -> int:
+        """The Buffer API's name of ``num_ubatches`` (``Config.num_slots``)."""
+        return self.num_ubatches
+
+    @property
     def group_rank(self) -> int:
         """This rank in the AFD group: FFN ranks first, then Attention ranks."""
         return self.role_rank if self.role == FFN else self.num_ffn_ranks + self.role_rank
@@ -201,17 +211,20 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
         raise ValueError("no AFD config: pass afd_config, or a vllm_config with "
                          "additional_config['afd'] or afd_config")
     extra = dict(_get(afd, "extra_config", "afd_extra_config", default={}) or {})
-    role = str(_get(afd, "role", "afd_role", default=ATTENTION)).lower()
-    if role not in (ATTENTION, FFN):
-        raise ValueError(f"AFD role must be 'attention' or 'ffn', got {role!r}")
+    raw_role = str(_get(afd, "role", "afd_role", default=ATTENTION))
+    try:
+        (role,) = parse_roles([raw_role.strip()])
+    except ValueError:
+        raise ValueError(f"AFD role must be 'attention' or 'ffn' (or 'A' / 'F'), got "
+                         f"{raw_role!r}") from None
     n_att = _get(afd, "num_attention_ranks", default=None)
     n_ffn = _get(afd, "num_ffn_ranks", default=None)
     size = extra.get("afd_size")
     if size is not None:
-        m = re.fullmatch(r"\s*(\d+)\s*A\s*(\d+)\s*F\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"afd_size must look like '2A2F', got {size!r}")
-        n_att, n_ffn = int(m.group(1)), int(m.group(2))
+        try:
+            n_att, n_ffn = parse_layout(str(size))
+        except ValueError as e:
+            raise ValueError(f"afd_size must look like '2A2F': {e}") from None
     if n_att is None or n_ffn is None:
         raise ValueError("the AFD config must give num_attention_ranks and num_ffn_ranks "
                          "(or extra_config afd_size, e.g. '2A2F')")
@@ -231,6 +244,13 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
         raise ValueError("set extra_config['capacity_tokens_per_rank']: the most tokens one "
                          "Attention rank sends in one micro-batch")
     stages = _get(afd, "num_afd_stages", default=None)
+    ubatches = extra.get("num_ubatches", extra.get("num_slots"))
+    if "num_ubatches" in extra and "num_slots" in extra and \
+            int(extra["num_ubatches"]) != int(extra["num_slots"]):
+        raise ValueError(f"extra_config num_ubatches ({extra['num_ubatches']}) and num_slots "
+                         f"({extra['num_slots']}) are the same setting; give one")
+    if ubatches is None:
+        ubatches = stages if stages is not None else 2
     dtype = extra.get("dtype", "bfloat16")
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -245,7 +265,7 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
         hidden_size=need("hidden_size", "hidden_size"),
         num_experts=need("num_experts", "n_routed_experts", "num_experts", "num_local_experts"),
         top_k=need("top_k", "num_experts_per_tok", "moe_topk"),
-        num_ubatches=int(extra.get("num_ubatches", stages if stages is not None else 2)),
+        num_ubatches=int(ubatches),
         num_layers=None if layers is None else int(layers),
         bucket=None if extra.get("bucket") is None else int(extra["bucket"]),
         dtype=dtype, device=extra.get("device"), num_sms=int(extra.get("num_sms", 24)),
@@ -301,8 +321,9 @@ class AfdepConnector:
         if self.buffer.role != self.role:
             role = self.buffer.role
             self.buffer.close()
-            raise ValueError(f"AFD group rank {self.settings.group_rank} is an {role} rank "
-                             f"but this connector was configured as {self.role}")
+            raise ValueError(f"AFD group rank {self.settings.group_rank} is an "
+                             f"{_ROLE_NAMES[role]} rank but this connector was configured as "
+                             f"{_ROLE_NAMES[self.role]}")
         if self.role == ATTENTION:
             self._outputs = torch.zeros(self.num_ubatches, self.config.capacity_tokens_per_rank,
                                         self.config.hidden_size, dtype=torch.bfloat16,
@@ -342,6 +363,11 @@ class AfdepConnector:
     @property
     def is_initialized(self) -> bool:
         return self._initialized
+
+    @property
+    def num_slots(self) -> int:
+        """The Buffer API's name of ``num_ubatches``."""
+        return self.num_ubatches
 
     def get_connector_rank(self) -> int:
         return self.rank

@@ -13,9 +13,10 @@ import torch
 
 from torch_afdep.testing import spawn_world
 
-import _bodies
+from tests.helpers import vllm_bodies as _bodies
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(REPO, "examples")
 
 
 def test_plugin_call_sequence_1a2f():
@@ -87,6 +88,40 @@ def test_settings_errors(afd, fragment):
     with pytest.raises(ValueError) as info:
         parse_settings(SimpleNamespace(additional_config={"afd": afd}))
     assert fragment in str(info.value)
+
+
+def test_num_slots_is_num_ubatches():
+    """The Buffer API's name, num_slots, is the same setting as vLLM's num_ubatches."""
+    from torch_afdep.integrations.vllm import parse_settings
+
+    def settings(**extra):
+        afd = {"role": "ffn", "num_attention_ranks": 1, "num_ffn_ranks": 1,
+               "extra_config": {"hidden_size": 8, "num_experts": 2, "top_k": 1,
+                                "capacity_tokens_per_rank": 4, **extra}}
+        return parse_settings(SimpleNamespace(additional_config={"afd": afd}))
+
+    s = settings(num_slots=3)
+    assert s.num_ubatches == 3 and s.num_slots == 3 and s.afdep_config().num_slots == 3
+    assert settings(num_ubatches=4, num_slots=4).num_ubatches == 4
+    assert settings().num_ubatches == 2
+    with pytest.raises(ValueError, match="are the same setting; give one"):
+        settings(num_ubatches=2, num_slots=3)
+
+
+@pytest.mark.parametrize("role, size, want", [
+    ("F", "2a2f", ("ffn", 2, 2)),
+    ("Attention", " 3A1F ", ("attention", 3, 1)),
+    ("a", "1A2F", ("attention", 1, 2)),
+])
+def test_role_and_layout_spellings(role, size, want):
+    """Roles as parse_roles reads them, afd_size as parse_layout reads it."""
+    from torch_afdep.integrations.vllm import parse_settings
+
+    afd = {"role": role, "extra_config": {"afd_size": size, "hidden_size": 8,
+                                          "num_experts": 4, "top_k": 1,
+                                          "capacity_tokens_per_rank": 4}}
+    s = parse_settings(SimpleNamespace(additional_config={"afd": afd}))
+    assert (s.role, s.num_attention_ranks, s.num_ffn_ranks) == want
 
 
 def test_register_with_a_plugin_like_factory():
