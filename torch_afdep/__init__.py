@@ -7,7 +7,8 @@ backend ``"afdep"`` is registered on import. Contract: docs/contract.md.
 """
 
 from .config import ATTENTION, FFN, Config, parse_layout, parse_roles
-from .errors import AfdepError, AfdepRouteError, AfdepStateError, AfdepTimeoutError
+from .errors import (AfdepBucketError, AfdepError, AfdepPeerLostError, AfdepRouteError,
+                     AfdepStateError, AfdepTimeoutError)
 from .types import Receipt, Received
 from .functional import afd_combine, afd_dispatch, afd_receive, afd_reply
 from .buffer import Buffer
@@ -18,6 +19,7 @@ __all__ = [
     "ATTENTION", "FFN", "Config", "parse_roles", "parse_layout", "Buffer", "Received", "Receipt",
     "afd_dispatch", "afd_combine", "afd_receive", "afd_reply",
     "AfdepError", "AfdepRouteError", "AfdepStateError", "AfdepTimeoutError",
+    "AfdepPeerLostError", "AfdepBucketError",
 ]
 
 

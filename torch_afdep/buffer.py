@@ -51,6 +51,8 @@ class Buffer:
         # The first op call imports torch._dynamo (seconds); do it before any peer waits.
         import torch._dynamo  # noqa: F401
 
+        # Every rank counts the buffers it creates on a group: the id names this one.
+        self.buffer_id = registry.next_id(self.group_name)
         # Collective first, so every rank raises the same error on any mismatch.
         self._check_same_config_everywhere()
         size = dist.get_world_size(self.group)
@@ -60,7 +62,6 @@ class Buffer:
                 f"{config.attention_ranks} + {config.ffn_ranks} = {config.world_size}")
         self.role = config.role_of(self.rank)
         self.role_index = config.role_index(self.rank)
-        self.buffer_id = registry.next_id(self.group_name)
         transports: list = []
         try:
             for slot in range(config.num_slots):
@@ -138,10 +139,10 @@ class Buffer:
         return device
 
     def _check_same_config_everywhere(self) -> None:
-        """Every rank raises the same error when configs or roles differ across ranks."""
+        """Every rank raises the same error when configs or roles differ across ranks; a
+        rank that never creates its Buffer gives an error after ``timeout_s`` naming it."""
         mine = (self.config.fingerprint(), self.device.type, _backend_roles(self.group))
-        all_ = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(all_, mine, group=self.group)
+        all_ = self._gather_bounded(mine)
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
                  "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots",
                  "local_sms")
@@ -158,6 +159,35 @@ class Buffer:
             raise ValueError(
                 f"config roles {list(self.config.role_list)} differ from the roles the afdep "
                 f"backend was given for this group {list(backend_roles)}")
+
+    def _gather_bounded(self, mine) -> list:
+        """Every group rank's ``mine`` (picklable), through the c10d store rather than a
+        collective: bounded by ``timeout_s`` (a collective would wait for the process group's
+        own timeout), it names the ranks that did not arrive, and it leaves no collective
+        work behind when construction fails."""
+        import pickle
+        import time
+
+        store = dist.distributed_c10d._get_default_store()
+        size = dist.get_world_size(self.group)
+        prefix = f"torch_afdep/{self.group_name}/buffer{self.buffer_id}/rank"
+        store.set(prefix + str(self.rank), pickle.dumps(mine))
+        keys = [prefix + str(r) for r in range(size)]
+        deadline = time.monotonic() + float(self.config.timeout_s)
+        pause = 0.001
+        while True:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise AfdepTimeoutError(
+                    f"rank {self.rank}: Buffer() waited more than {self.config.timeout_s} s for "
+                    f"group ranks {missing} to create their Buffer (creating a Buffer is "
+                    f"collective: every rank of the group must call it)",
+                    peer=missing[0], phase="construct", rank=self.rank)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return [pickle.loads(store.get(k)) for k in keys]
 
     def _run(self, fn, *args):
         """Run an op; a failure inside the transport (timeout, lost peer) makes the buffer
@@ -226,8 +256,10 @@ class Buffer:
 
     def _collect_view(self, route: torch.Tensor, slot: int) -> torch.Tensor:
         transport = self._slots.begin(slot, "combine")
-        out = transport.combine_view(route)
-        self._slots.end(slot, "combine", self.state)
+        try:
+            out = transport.combine_view(route)
+        finally:  # done, or finished without data (AfdepBucketError); else the buffer breaks
+            self._slots.end(slot, "combine", self.state)
         return out
 
     # ---- FFN ranks --------------------------------------------------------------------------
@@ -303,6 +335,13 @@ class Buffer:
         finally:
             if slots.broken is None and first is None:
                 self._closing_barrier()
+            else:
+                # After a failure, still meet the peers that are alive (their close waits for
+                # this one); a lost peer fails fast, a peer that never closes costs timeout_s.
+                try:
+                    self._closing_barrier()
+                except AfdepError:
+                    pass
 
     def _closing_barrier(self) -> None:
         """No rank frees memory a peer may still read; a peer that never arrives (or died)

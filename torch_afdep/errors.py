@@ -32,3 +32,20 @@ class AfdepRouteError(AfdepError, ValueError):
 class AfdepStateError(AfdepError):
     """Calls out of order (two dispatches without a collect, a reply before a receive, a
     stale receipt) or use of a closed buffer."""
+
+
+class AfdepPeerLostError(AfdepTimeoutError):
+    """A peer's process exited or its connection closed in the middle of an exchange (a kind
+    of ``AfdepTimeoutError``: the exchange cannot finish). Same attributes."""
+
+
+class AfdepBucketError(AfdepStateError):
+    """Ranks of one exchange used different buckets. Reported on every rank of the exchange;
+    nothing was exchanged and the buffer stays usable. ``peer``: a rank with the other
+    bucket; ``phase``; ``rank``: the reporting rank."""
+
+    def __init__(self, message: str, *, peer: int = -1, phase: str = "", rank: int = -1):
+        super().__init__(message)
+        self.peer = peer
+        self.phase = phase
+        self.rank = rank

@@ -31,6 +31,7 @@ import torch
 
 from . import registry, validate
 from .config import Config
+from .errors import AfdepBucketError
 
 
 # ---- dispatch (Attention) -----------------------------------------------------------------
@@ -93,7 +94,11 @@ def combine(state: torch.Tensor, route: torch.Tensor, group_name: str, buffer_id
     validate.route(slots.config, slots.device, route)
     out = torch.empty(route.shape[0], slots.config.hidden_size, dtype=torch.bfloat16,
                       device=route.device)
-    transport.combine(route, out)
+    try:
+        transport.combine(route, out)
+    except AfdepBucketError:
+        slots.end(slot, "combine", state)  # the exchange finished (without data)
+        raise
     slots.end(slot, "combine", state)
     return out
 

@@ -3,11 +3,13 @@
 Directional, like the CUDA path: in dispatch Attention ranks only send and FFN ranks only
 receive; in combine the reverse. Per (Attention a, FFN f) pair and exchange:
 
-- dispatch: a -> f a header ``[1] int64`` (tokens n) and, when n > 0, one ``[n, B] uint8``
-  blob; each token's B bytes are its payload row, its FP8 scales, its source token index and
-  its ``R`` local expert ids and weights;
-- combine: f -> a ``[n, H]`` BF16 rows (as int16), one per token a sent to f, in the order a
-  sent them; a already knows n from its own routing, so no counts flow back.
+- dispatch: a -> f a header ``[2] int64`` (tokens n, a's bucket) and, when n > 0, one
+  ``[n, B] uint8`` blob; each token's B bytes are its payload row, its FP8 scales, its
+  source token index and its ``R`` local expert ids and weights;
+- combine: f -> a ``[1 + n, H]`` int16: a status row (its first 16 bytes: int64 status,
+  int64 f's bucket), then n BF16 rows, one per token a sent to f, in the order a sent them;
+  a already knows n from its own routing, so no counts flow back. The status row is how a
+  bucket mismatch, which only f can see, reaches a.
 
 Gloo delivers messages of one (pair, tag) in order, so consecutive exchanges never mix.
 Every micro-batch slot of a buffer has its own ``CpuTransport`` with its own tag range
@@ -28,13 +30,23 @@ import torch.distributed as dist
 
 from .. import reference as ref
 from ..config import MAX_SLOTS, Config
-from ..errors import AfdepTimeoutError
+from ..errors import AfdepBucketError, AfdepPeerLostError, AfdepTimeoutError
 from ..validate import check_expert_id_values
 from .base import Transport
 
 _TAG_BASE = 0x5AF0
 _TAGS_PER_SLOT = 4
 _DISPATCH_HEADER, _DISPATCH_BLOB, _COMBINE = 0, 1, 2
+_OK, _BUCKET_MISMATCH = 0, 1  # combine status
+
+
+def bucket_mismatch(rank: int, peer: int, peer_bucket: int, bucket: int, slot: int,
+                    phase: str) -> AfdepBucketError:
+    return AfdepBucketError(
+        f"rank {rank}: bucket mismatch in {phase} on slot {slot}: group rank {peer} used "
+        f"bucket {peer_bucket}, this rank {bucket}; every rank of an exchange must use the "
+        f"same bucket (nothing was exchanged; the buffer stays usable)",
+        peer=peer, phase=phase, rank=rank)
 
 
 def tag_base(buffer_id: int, slot: int) -> int:
@@ -64,6 +76,7 @@ class CpuTransport(Transport):
         self.slot = slot
         self._tag0 = tag_base(buffer_id, slot)
         self._pending: List = []
+        self._bucket = 0  # the last dispatch's bucket (named by a mismatch in combine)
         self._view: Optional[torch.Tensor] = None  # combine_view's [C, H] result buffer
         self._timeout = datetime.timedelta(seconds=float(config.timeout_s))
         h, s = config.hidden_size, config.scale_cols
@@ -89,14 +102,23 @@ class CpuTransport(Transport):
         try:
             ok = work.wait(self._timeout)
         except RuntimeError as e:
-            what = (f"lost its connection to group rank {peer}" if "Connection closed" in str(e)
-                    else f"waited more than {self.config.timeout_s} s for group rank {peer}")
-            raise AfdepTimeoutError(f"rank {self.rank}: {phase} {what} ({e})", peer=peer,
-                                    phase=phase, rank=self.rank) from e
+            # gloo's own text stays in __cause__; the message says what happened.
+            if "Connection closed" in str(e) or "Connection reset" in str(e):
+                raise AfdepPeerLostError(
+                    f"rank {self.rank}: {phase} lost group rank {peer} (its process exited or "
+                    f"its connection closed); this Buffer cannot finish the exchange: close "
+                    f"it, and continue on a new process group", peer=peer, phase=phase,
+                    rank=self.rank) from e
+            raise self._timed_out(peer, phase) from e
         if ok is False:
-            raise AfdepTimeoutError(
-                f"rank {self.rank}: {phase} waited more than {self.config.timeout_s} s for "
-                f"group rank {peer}", peer=peer, phase=phase, rank=self.rank)
+            raise self._timed_out(peer, phase)
+
+    def _timed_out(self, peer: int, phase: str) -> AfdepTimeoutError:
+        return AfdepTimeoutError(
+            f"rank {self.rank}: {phase} waited more than {self.config.timeout_s} s for group "
+            f"rank {peer} (slot {self.slot}); this Buffer is unusable: close it and continue "
+            f"on a new process group (docs/contract.md, Failures)", peer=peer, phase=phase,
+            rank=self.rank)
 
     def _finish_sends(self) -> None:
         pending, self._pending = self._pending, []
@@ -126,13 +148,14 @@ class CpuTransport(Transport):
         cfg = self.config
         # The values are on the host here, eager or compiled: refuse before sending anything.
         check_expert_id_values(expert_ids, cfg.num_experts)
+        self._bucket = bucket
         self._finish_sends()
         route.copy_(ref.route_mask(cfg, expert_ids))
         for f, peer in enumerate(cfg.ffn_group_ranks):
             local_ids, local_w, hits = local_routes(cfg, expert_ids, weights, f)
             toks = hits.nonzero().flatten()
             n = int(toks.numel())
-            self._isend(torch.tensor([n], dtype=torch.int64), peer, _DISPATCH_HEADER,
+            self._isend(torch.tensor([n, bucket], dtype=torch.int64), peer, _DISPATCH_HEADER,
                         "dispatch")
             if n == 0:
                 continue
@@ -153,13 +176,19 @@ class CpuTransport(Transport):
         recvs = []
         for f, peer in enumerate(cfg.ffn_group_ranks):
             toks = ((route >> f) & 1).nonzero().flatten()
-            if toks.numel() == 0:
-                continue
-            buf = torch.empty(toks.numel(), cfg.hidden_size, dtype=torch.int16)
+            buf = torch.empty(1 + toks.numel(), cfg.hidden_size, dtype=torch.int16)
             recvs.append((self._irecv(buf, peer, _COMBINE), peer, toks, buf))
-        for work, peer, toks, buf in recvs:
+        mismatch = None
+        for work, peer, toks, buf in recvs:  # every message, so the next exchange lines up
             self._wait(work, peer, "combine")
-            acc.index_add_(0, toks, buf.view(torch.bfloat16).to(torch.float32))
+            status = buf[0].view(torch.int64)
+            if int(status[0]) == _BUCKET_MISMATCH:
+                mismatch = mismatch or (peer, int(status[1]))
+            elif toks.numel():
+                acc.index_add_(0, toks, buf[1:].view(torch.bfloat16).to(torch.float32))
+        if mismatch is not None:
+            raise bucket_mismatch(self.rank, mismatch[0], mismatch[1], self._bucket,
+                                  self.slot, "combine")
         out.copy_(acc.to(torch.bfloat16))
 
     def combine_view(self, route) -> torch.Tensor:
@@ -179,21 +208,27 @@ class CpuTransport(Transport):
         cfg = self.config
         self._finish_sends()
         a_ranks = cfg.attention_group_ranks
-        headers = [torch.zeros(1, dtype=torch.int64) for _ in a_ranks]
+        headers = [torch.zeros(2, dtype=torch.int64) for _ in a_ranks]
         works = [self._irecv(hd, peer, _DISPATCH_HEADER) for hd, peer in zip(headers, a_ranks)]
         for w, peer in zip(works, a_ranks):
             self._wait(w, peer, "dispatch")
-        counts = [int(hd.item()) for hd in headers]
-        for a, n in enumerate(counts):
-            if n > bucket:
-                raise RuntimeError(
-                    f"rank {self.rank}: Attention group rank {a_ranks[a]} sent {n} tokens "
-                    f"into a bucket of {bucket}: every rank must use the same bucket")
+        counts = [int(hd[0]) for hd in headers]
+        buckets = [int(hd[1]) for hd in headers]
         blobs = [torch.empty(n, self._token_bytes, dtype=torch.uint8) for n in counts]
         works = [(self._irecv(b, peer, _DISPATCH_BLOB), peer)
                  for b, peer, n in zip(blobs, a_ranks, counts) if n > 0]
         for w, peer in works:
             self._wait(w, peer, "dispatch")
+        bad = [(peer, b) for peer, b in zip(a_ranks, buckets) if b != bucket]
+        if bad:
+            # Drained every message; tell every Attention rank, then report here.
+            status = torch.tensor([_BUCKET_MISMATCH, bucket], dtype=torch.int64)
+            for peer, n in zip(a_ranks, counts):
+                msg = torch.zeros(1 + n, cfg.hidden_size, dtype=torch.int16)
+                msg[0].view(torch.int64)[:2] = status
+                self._isend(msg, peer, _COMBINE, "combine")
+            raise bucket_mismatch(self.rank, bad[0][0], bad[0][1], bucket, self.slot,
+                                  "dispatch")
 
         r, h, el = cfg.rows_per_token, cfg.hidden_size, cfg.experts_per_rank
         pb, sb = self._payload_bytes, self._scale_bytes
@@ -257,12 +292,12 @@ class CpuTransport(Transport):
         self._finish_sends()
         for a, peer in enumerate(cfg.attention_group_ranks):
             n = int(num_tokens[a].item())
-            if n == 0:
-                continue
-            tr = token_rows[a, :n].to(torch.int64)  # [n, R]
-            valid = tr >= 0
-            gathered = rows[tr.clamp(min=0)].to(torch.float32)  # [n, R, H]
-            # where(), not a multiply: a NaN in an unused row must not leak in.
-            summed = torch.where(valid[:, :, None], gathered, 0.0).sum(dim=1)
-            self._isend(summed.to(torch.bfloat16).view(torch.int16).contiguous(), peer,
-                        _COMBINE, "combine")
+            msg = torch.zeros(1 + n, cfg.hidden_size, dtype=torch.int16)  # row 0: status OK
+            if n:
+                tr = token_rows[a, :n].to(torch.int64)  # [n, R]
+                valid = tr >= 0
+                gathered = rows[tr.clamp(min=0)].to(torch.float32)  # [n, R, H]
+                # where(), not a multiply: a NaN in an unused row must not leak in.
+                summed = torch.where(valid[:, :, None], gathered, 0.0).sum(dim=1)
+                msg[1:] = summed.to(torch.bfloat16).view(torch.int16)
+            self._isend(msg, peer, _COMBINE, "combine")
