@@ -1,7 +1,9 @@
-"""GPU tests of the CUDA transport (CUDA IPC in one NVLink domain), against the fp64 reference.
+"""GPU tests of the CUDA transport (CUDA IPC in one NVLink domain), driven directly, against
+the fp64 reference: every protocol control, graph replays, zero-copy views, timeouts,
+registered bytes, the NCCL transport, the trace tool.
 
-Skipped cleanly without two CUDA GPUs or without the built extension (torch_afdep._cuda).
-Several ranks share a GPU for 2A2F, 3A1F and 1A3F (CUDA IPC allows it).
+Skipped cleanly without a CUDA GPU or without the built extension (torch_afdep._cuda). Rank r
+runs on GPU r % n_gpus; ranks sharing a GPU need CUDA MPS (tests/helpers/devices.py).
 """
 
 from __future__ import annotations
@@ -13,29 +15,32 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from tests.helpers import devices  # noqa: E402
 
-gw.skip_unless_two_gpus()
+devices.require_gpu_module()
 
 from torch_afdep.testing import spawn_world  # noqa: E402
 
-BASE_ENV = gw.GPU_ENV
+from tests.helpers import transport_bodies as gw  # noqa: E402
+from tests.helpers.devices import need_gpus, rank_devices, spawn_gpu_world  # noqa: E402
+
+BASE_ENV = devices.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
 PDL = {"AFDEP_PDL": "1"}  # experimental: programmatic dependent launch of the kernels
 
-# layout name -> (F, A, device of each group rank, num_experts)
-LAYOUTS = {
-    "1A1F": (1, 1, [0, 1], 128),
-    "2A2F": (2, 2, [0, 1, 0, 1], 128),
-    "3A1F": (1, 3, [0, 1, 1, 0], 128),
-    "1A3F": (3, 1, [0, 1, 0, 1], 96),
+# layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
+LAYOUTS = {name: (f, a, rank_devices(f + a), e) for name, (f, a, e) in {
+    "1A1F": (1, 1, 128),
+    "2A2F": (2, 2, 128),
+    "3A1F": (1, 3, 128),
+    "1A3F": (3, 1, 96),
     # 8-GPU layouts (one rank per GPU; collected only where 8 GPUs are present)
-    "4A4F": (4, 4, list(range(8)), 128),
-    "6A2F": (2, 6, list(range(8)), 128),
-    "7A1F": (1, 7, list(range(8)), 128),
-}
+    "4A4F": (4, 4, 128),
+    "6A2F": (2, 6, 128),
+    "7A1F": (1, 7, 128),
+}.items()}
 EIGHT_GPUS = torch.cuda.device_count() >= 8
 
 
@@ -64,7 +69,7 @@ def run(layout, kw, plan, env=None, seed=1, bad_ids=False, body=None):
     e = dict(BASE_ENV)
     e.update(env or {})
     body = body or gw.exchanges_body
-    return gw.spawn_gpu_world(body, F + A, kw, plan, seed, bad_ids, device_ids=devs, env=e,
+    return spawn_gpu_world(body, F + A, kw, plan, seed, bad_ids, device_ids=devs, env=e,
                        timeout=600)
 
 
@@ -157,8 +162,7 @@ def test_sized_grid_eager(layout, cap, hidden, dtype):
                          ids=["narrow-both", "wide-ffn-narrow-attention", "wide-both"])
 def test_sized_grid_graph_replays(bucket, tokens):
     kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
-    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 6000, device_ids=[0, 1],
-                             env={**BASE_ENV, **SIZED}, timeout=600)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 6000, env={**BASE_ENV, **SIZED}, timeout=600)
     assert all(r == 100 for r in res)
 
 
@@ -181,8 +185,7 @@ def test_stream_expansion_graph_replays(dtype):
     # T = 1180 over 24 channels: 50 tokens per channel (row flags) and 30 in the last (one
     # payload flag), so each replay mixes both completion forms in one region table
     kw = cfg_kw("1A1F", 2048, 2048, dtype)
-    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 2048, [1180], 100, 7000, device_ids=[0, 1],
-                             env={**BASE_ENV, **STREAM}, timeout=600)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, 2048, [1180], 100, 7000, env={**BASE_ENV, **STREAM}, timeout=600)
     assert all(r == 100 for r in res)
 
 
@@ -202,8 +205,8 @@ def test_pdl_eager(layout, cap, hidden, dtype):
 def test_pdl_graph_replays(dtype, bucket, tokens):
     """Programmatic edges inside captured graphs: 100 checked replays, fresh inputs each."""
     kw = cfg_kw("1A1F", bucket, 2048, dtype)
-    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 8000,
-                             device_ids=[0, 1], env={**BASE_ENV, **PDL}, timeout=600)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 8000,
+                             env={**BASE_ENV, **PDL}, timeout=600)
     assert all(r == 100 for r in res)
 
 
@@ -211,7 +214,7 @@ def test_flag_round_trip_probe():
     """benchmarks.run's floor term: the initiator gets a plausible round trip per call (an
     NVLink flag crosses and returns in about 1.4 µs on these machines), the responder None."""
     kw = cfg_kw("1A1F", 8, 128)
-    init, resp = gw.spawn_gpu_world(gw.flag_round_trip_body, 2, kw, 3, device_ids=[0, 1],
+    init, resp = spawn_gpu_world(gw.flag_round_trip_body, 2, kw, 3,
                                     env=BASE_ENV, timeout=300)
     assert resp == [None, None, None]
     assert all(0.2 < v < 100.0 for v in init), init
@@ -262,7 +265,7 @@ def test_cuda_graph_replays(layout, dtype, env):
     tokens = [(7, 128, 1)[a % 3] for a in range(A)]
     e = dict(BASE_ENV)
     e.update(env)
-    res = gw.spawn_gpu_world(gw.graph_body, F + A, kw, 128, tokens, 100, 5000, device_ids=devs, env=e,
+    res = spawn_gpu_world(gw.graph_body, F + A, kw, 128, tokens, 100, 5000, device_ids=devs, env=e,
                       timeout=600)
     assert all(r == 100 for r in res)
 
@@ -279,9 +282,12 @@ def _nccl_built() -> bool:
 NCCL = {"AFDEP_TRANSPORT": "nccl"}
 needs_nccl = pytest.mark.skipif(not _nccl_built(),
                                 reason="torch_afdep._cuda was built without the NCCL headers")
+#: NCCL takes one rank per GPU: the 1A1F NCCL worlds need two
+nccl_1a1f = need_gpus(2, "the NCCL transport takes one rank per GPU")
 
 
 @needs_nccl
+@nccl_1a1f
 @pytest.mark.parametrize("env", [NCCL, {**NCCL, **SYM}], ids=["role_aware", "symmetric"])
 @pytest.mark.parametrize("cap,hidden,dtype", [(128, 4096, "bfloat16"),
                                               (2048, 7168, "float8_e4m3fn")])
@@ -292,10 +298,10 @@ def test_nccl_transport_eager(env, cap, hidden, dtype):
 
 
 @needs_nccl
+@nccl_1a1f
 def test_nccl_transport_graph_replays():
     kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
-    res = gw.spawn_gpu_world(gw.graph_body, 2, kw, 128, [128], 100, 7000, device_ids=[0, 1],
-                             env={**BASE_ENV, **NCCL}, timeout=600)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, 128, [128], 100, 7000, env={**BASE_ENV, **NCCL}, timeout=600)
     assert res == [100, 100]
 
 
@@ -306,13 +312,15 @@ def test_nccl_transport_refuses_two_ranks_on_one_gpu():
 
     kw = cfg_kw("2A2F", 128, 1024)
     with pytest.raises(WorldError, match="one rank per GPU"):
-        spawn_world(gw.sizes_body, 4, kw, device_ids=[0, 1, 0, 1], env={**BASE_ENV, **NCCL},
-                    timeout=120)
+        # two ranks on one GPU whatever the machine has (construction only: no MPS needed)
+        spawn_world(gw.sizes_body, 4, kw, device_ids=[d % devices.gpu_count() for d in
+                                                      (0, 1, 0, 1)],
+                    env={**BASE_ENV, **NCCL}, timeout=120)
 
 
 def test_timeout_raises():
     kw = cfg_kw("1A1F", 128, 2048, timeout=2.0)
-    res = gw.spawn_gpu_world(gw.timeout_body, 2, kw, device_ids=[0, 1], env=BASE_ENV, timeout=120)
+    res = spawn_gpu_world(gw.timeout_body, 2, kw, env=BASE_ENV, timeout=120)
     ffn, att = res[0], res[1]
     assert ffn["raised"] == ("dispatch", "dispatch", 1, 0), ffn
     assert att["raised"] == ("combine", "combine", 0, 1), att
@@ -326,13 +334,14 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
+@need_gpus(2, "benchmarks.trace runs its world on cuda:0 and cuda:1")
 def test_trace_stages_are_ordered(tmp_path):
     """benchmarks.trace on 2 GPUs (AFDEP_TRACE=1): every stage of a T = 1 and a T = 128
     exchange is recorded and the CTA-0 sub-stages (claim, payload, signal; count table; reply
     rows) are non-negative and add up within the stage they split."""
     import json
 
-    from benchmarks import trace  # repository root on sys.path (python -m pytest)
+    from benchmarks import trace  # the repository root is on sys.path (pythonpath)
 
     out = tmp_path / "trace.json"
     assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",

@@ -8,6 +8,8 @@ import torch_afdep.distributed as ad
 from torch_afdep.config import Config
 from torch_afdep.testing import spawn_world
 
+from tests.helpers.devices import need_gpus
+
 ad.register_backend()  # also runs in spawned children, which import this module
 
 F, A = "ffn", "attention"
@@ -144,7 +146,7 @@ def _cuda_mesh_body(rank, ws):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@need_gpus(2, "NCCL takes one rank per GPU")
 def test_cuda_mesh_2_gpus():
     out = spawn_world(_cuda_mesh_body, 2, backend="afdep", device_ids=[0, 1], timeout=240)
     assert out == [True, True]

@@ -1,7 +1,9 @@
 """Faults on CPU with real processes: a peer killed in the middle of an exchange, a rank that
-skips an exchange, out-of-order calls and wrong receipts.
+skips an exchange, out-of-order calls and wrong receipts. (On CUDA a waiting kernel ends at
+its own deadline and the transport reports it: tests/gpu/test_transport_faults.py.)
 
-Two spawned worlds (rank 0 FFN, rank 1 Attention; bodies in tests/_fault_bodies.py):
+Two spawned worlds (rank 0 FFN, rank 1 Attention; bodies in
+tests/helpers/lifecycle_bodies.py):
 ``faults_world`` runs the ordering, skip and kill-the-FFN parts; ``kill_attention_world``
 kills the Attention rank. A killed rank makes ``spawn_world`` raise ``WorldError`` naming it;
 the survivor's record comes back through its results file.
@@ -14,7 +16,7 @@ import pytest
 
 from torch_afdep.testing import WorldError, spawn_world
 
-import _fault_bodies as fb
+from tests.helpers import lifecycle_bodies as fb
 
 FFN, ATTN = fb.FFN_RANK, fb.ATTN_RANK
 #: A world that had to wait for spawn_world's own timeout would take this long: the test

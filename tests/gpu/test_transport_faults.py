@@ -1,6 +1,6 @@
 """Faults on CUDA with real processes: a rank killed (os._exit) in the middle of an exchange,
-and a rank that skips its part of an exchange after healthy ones. Mirrors tests/test_faults.py
-(CPU) on the CUDA transport; bodies in tests/gpu/hostile_bodies.py.
+and a rank that skips its part of an exchange after healthy ones. The CPU transport's faults:
+tests/contract/test_faults.py; bodies in tests/helpers/transport_bodies.py.
 
 On CUDA a waiting kernel ends at its own deadline (``timeout_s`` from its start) and
 ``CudaTransport.check_error()`` raises ``AfdepTimeoutError(peer=, phase=, rank=)``. Every
@@ -8,7 +8,8 @@ survivor must get exactly that, within ``timeout_s`` (+ slack) of launching the 
 death, and then close without its peers and exit: ``spawn_world`` raises ``WorldError`` naming
 only the killed rank, no child is left, and the world ends long before spawn_world's own
 timeout. Survivors report through per-rank result files (the killed rank makes spawn_world
-raise). Skipped cleanly without two CUDA GPUs or without the built extension.
+raise). Skipped cleanly without a CUDA GPU or without the built extension; rank r runs on
+GPU r % n_gpus (shared GPUs need CUDA MPS).
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from tests.helpers import devices  # noqa: E402
 
-gw.skip_unless_two_gpus()
+devices.require_gpu_module()
 
-import hostile_bodies as hb  # noqa: E402
+from tests.helpers import transport_bodies as hb  # noqa: E402
 
 from torch_afdep.testing import WorldError  # noqa: E402
 
-ENV = gw.GPU_ENV
+ENV = devices.GPU_ENV
 TIMEOUT_S = 3.0
 SLACK_S = 2.0
 WORLD_TIMEOUT = 240.0
 # layout -> (F, A, device of each group rank); group ranks [0, F) are FFN, then Attention
-LAYOUTS = {"1A1F": (1, 1, [0, 1]), "2A2F": (2, 2, [0, 1, 0, 1])}
+LAYOUTS = {"1A1F": (1, 1, devices.rank_devices(2)),
+           "2A2F": (2, 2, devices.rank_devices(4))}
 
 
 def kw(layout):
@@ -49,7 +51,7 @@ def _kill_world(layout, scenario, outdir):
     world = F + A
     t0 = time.monotonic()
     with pytest.raises(WorldError) as info:
-        gw.spawn_gpu_world(hb.kill_body, world, kw(layout), outdir, scenario, device_ids=devs,
+        devices.spawn_gpu_world(hb.kill_body, world, kw(layout), outdir, scenario, device_ids=devs,
                     env=ENV, timeout=WORLD_TIMEOUT)
     return {"message": str(info.value), "elapsed": time.monotonic() - t0,
             "children": multiprocessing.active_children(),
@@ -125,7 +127,7 @@ def test_skipped_exchange_after_healthy_ones_times_out():
     FFN receive raises AfdepTimeoutError(peer=1, phase='dispatch', rank=0). FFN receives but
     skips its reply: the Attention combine raises AfdepTimeoutError(peer=0, phase='combine',
     rank=1). Each after ~timeout_s; both ranks then close cleanly."""
-    res = gw.spawn_gpu_world(hb.skip_body, 2, kw("1A1F"), device_ids=[0, 1], env=ENV, timeout=240)
+    res = devices.spawn_gpu_world(hb.skip_body, 2, kw("1A1F"), env=ENV, timeout=240)
     ffn, att = res
     for part in ("skip_dispatch", "skip_reply"):
         for r in res:

@@ -1,44 +1,28 @@
-"""Spawned-world bodies of the GPU tests (module level: spawn pickles them by name).
+"""Spawned-world bodies that drive ``CudaTransport`` directly (the transport tests: eager
+exchanges under each protocol control, graph replays, zero-copy views, timeouts, registered
+bytes, killed and skipping ranks). Each exchange is checked with ``checks`` against
+``torch_afdep.reference`` (fp64 on the CPU); inputs come from a seed, so every rank rebuilds
+every Attention rank's inputs and the FFN ranks check what they received.
 
-Every body drives ``torch_afdep._cuda_impl.CudaTransport`` directly and checks each exchange
-against ``torch_afdep.reference`` (fp64 on the CPU). Inputs are derived from a seed, so every
-rank can rebuild every Attention rank's inputs and the FFN ranks check what they received.
+The contract through the public API (Buffer, afd_*) on CUDA is tested by tests/contract.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
+from torch_afdep import env
 from torch_afdep import reference as ref
 from torch_afdep.config import FFN, Config
+from torch_afdep.testing import load_rank_record, save_rank_record
 
-#: Environment of every GPU world: NVLink multicast stays off on the shared machines.
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def skip_unless_two_gpus() -> None:
-    """Skip the calling test module unless 2 CUDA GPUs and the built extension are there.
-    ``AFDEP_GPU_BODIES_ON_CPU=1`` imports the module anyway, so a script can smoke-test the
-    bodies that also run on the CPU path (the tests themselves still need the GPUs)."""
-    import pytest
-
-    if os.environ.get("AFDEP_GPU_BODIES_ON_CPU") == "1":
-        return
-
-    try:
-        import torch_afdep._cuda  # noqa: F401
-
-        ok = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    except Exception:
-        ok = False
-    if not ok:
-        pytest.skip("needs 2 CUDA GPUs and the torch_afdep._cuda extension",
-                    allow_module_level=True)
+from .checks import check_attention as _check_attention
+from .checks import check_received, ffn_rows, scale_expert
 
 
 def make_config(kw) -> Config:
@@ -53,10 +37,9 @@ def make_config(kw) -> Config:
 
 
 def make_inputs(cfg, a: int, tokens: int, routing: str, seed: int, bad_ids: bool = False):
-    """Attention index a's inputs for one exchange (identical on every rank for a seed)."""
-    g = torch.Generator().manual_seed(seed * 1009 + a * 7919 + 17)
-    x, scales = ref.to_payload(cfg, torch.randn(tokens, cfg.hidden_size, generator=g))
-    ids, w = ref.random_routing(cfg, tokens, routing, generator=g)
+    """Attention index a's host inputs for one exchange (identical on every rank for a seed);
+    ``bad_ids``: two entries out of range. Ids are int32 for odd ``a + seed``."""
+    x, ids, w, scales = ref.make_inputs(cfg, tokens, routing, seed, a)
     if bad_ids and tokens > 0:
         ids = ids.clone()
         ids[tokens // 2, 0] = cfg.num_experts + 5
@@ -65,31 +48,6 @@ def make_inputs(cfg, a: int, tokens: int, routing: str, seed: int, bad_ids: bool
     if (a + seed) % 2 == 1:
         ids = ids.to(torch.int32)  # both id dtypes
     return x, ids, w, scales
-
-
-def clean_ids(cfg, ids):
-    ids = ids.to(torch.int64)
-    return torch.where((ids >= 0) & (ids < cfg.num_experts), ids, torch.full_like(ids, -1))
-
-
-def expert_scale(cfg, e):
-    return 1.0 + e / cfg.num_experts
-
-
-def expert_fn_factory(cfg):
-    return lambda e, rows: rows * expert_scale(cfg, e)
-
-
-def ffn_rows(cfg, f, x, x_scales, weights, offsets):
-    """Device-side expert function (graph-capturable): rows * (1 + e/E) * weight -> bf16."""
-    n = x.shape[0]
-    el = torch.searchsorted(offsets[1:].to(torch.int64),
-                            torch.arange(n, device=x.device, dtype=torch.int64), right=True)
-    e = (el + f * cfg.experts_per_rank).to(torch.float32)
-    xf = x.to(torch.float32)
-    if x_scales is not None and x_scales.numel() > 0:
-        xf = xf * x_scales.repeat_interleave(128, dim=1)
-    return (xf * (1.0 + e / cfg.num_experts)[:, None] * weights[:, None]).to(torch.bfloat16)
 
 
 class FfnOutputs:
@@ -121,113 +79,19 @@ class FfnOutputs:
                   self.token_index, self.num_tokens)
 
 
-def check_ffn(cfg, f, o: FfnOutputs, inputs):
-    """Everything an FFN rank received, against the inputs of every Attention rank."""
-    El, R = cfg.experts_per_rank, cfg.rows_per_token
-    lo, hi = f * El, (f + 1) * El
-    att = cfg.attention_group_ranks
-    ids_all = [clean_ids(cfg, inp[1]) for inp in inputs]
-    counts = ref.expert_counts(cfg, ids_all)[f]
-    offs = o.offsets.cpu().to(torch.int64)
-    want_offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    assert torch.equal(offs, want_offs), f"expert_offsets {offs.tolist()} != {want_offs.tolist()}"
-    total = int(offs[-1])
-    sr = o.src_rank.cpu()[:total].to(torch.int64)
-    st = o.src_token.cpu()[:total].to(torch.int64)
-    wr = o.weights.cpu()[:total]
-    el = torch.searchsorted(offs[1:], torch.arange(total), right=True)
-    # multiset of (a, token, expert, weight bits) against the reference
-    a_of_rank = {r: i for i, r in enumerate(att)}
-    assert all(int(r) in a_of_rank for r in sr.unique().tolist()), "src_rank not an Attention rank"
-    got = sorted(zip([a_of_rank[int(r)] for r in sr.tolist()], st.tolist(),
-                     (el + lo).tolist(), wr.view(torch.int32).tolist()))
-    want = []
-    for a, (x, ids, w, sc) in enumerate(inputs):
-        ids = ids_all[a]
-        m = (ids >= lo) & (ids < hi)
-        tt, jj = m.nonzero(as_tuple=True)
-        want += list(zip([a] * len(tt), tt.tolist(), ids[tt, jj].tolist(),
-                         w[tt, jj].contiguous().view(torch.int32).tolist()))
-    assert got == sorted(want), f"received rows differ ({len(got)} vs {len(want)})"
-    # payload and scales bitwise
-    if total:
-        xr = o.x.cpu()[:total]
-        ibits = torch.int16 if cfg.dtype == torch.bfloat16 else torch.uint8
-        for a, (x, ids, w, sc) in enumerate(inputs):
-            m = sr == att[a]
-            if not m.any():
-                continue
-            assert torch.equal(xr[m].view(ibits), x[st[m]].view(ibits)), f"payload from a={a}"
-            if sc is not None:
-                assert torch.equal(o.x_scales.cpu()[:total][m], sc[st[m]]), f"scales from a={a}"
-    # receipt
-    nt = o.num_tokens.cpu()
-    tr = o.token_rows.cpu()
-    ti = o.token_index.cpu()
-    for a, (x, ids, w, sc) in enumerate(inputs):
-        ids = ids_all[a]
-        reach = ((ids >= lo) & (ids < hi))
-        tokens = reach.any(dim=1).nonzero().flatten()
-        n = int(nt[a])
-        assert n == len(tokens), f"num_tokens[{a}] = {n}, want {len(tokens)}"
-        assert sorted(ti[a, :n].tolist()) == tokens.tolist(), f"token_index[{a}]"
-        for s in range(n):
-            tok = int(ti[a, s])
-            rows = tr[a, s]
-            valid = rows[rows >= 0]
-            assert len(valid) == int(reach[tok].sum()), f"token_rows[{a},{s}]"
-            assert bool((rows[len(valid):] == -1).all()), f"token_rows[{a},{s}] tail"
-            assert bool((sr[valid.long()] == att[a]).all()) and bool((st[valid.long()] == tok).all())
+def check_ffn(cfg, f, o: FfnOutputs, inputs) -> None:
+    """Everything FFN index f received (a transport's outputs), against every source."""
+    check_received(cfg, f, o, inputs)
 
 
-def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2, previous=None):
-    """``previous``: the (x, ids, w, sc) of this rank's previous exchange; a failure then
-    also says which wrong tokens hold that exchange's result (a stale read)."""
-    idc = clean_ids(cfg, ids)
-    want_route = ref.route_mask(cfg, idc)
-    got_route = route.cpu()
-    assert torch.equal(got_route, want_route), f"route {got_route[:8]} != {want_route[:8]}"
-    want = ref.moe_output(cfg, x, idc, w, expert_fn_factory(cfg), sc)
-    o = out.cpu().to(torch.float64)
-    assert bool(torch.isfinite(o).all()), "non-finite output (unwritten rows?)"
-    zero = want_route == 0
-    assert bool((o[zero] == 0).all()), "tokens with no expert must be zero"
-    err = ref.relative_error(o, want) if x.shape[0] else 0.0
-    if err >= tol:
-        stale = None
-        if previous is not None:
-            px, pids, pw, psc = previous
-            stale = ref.moe_output(cfg, px, clean_ids(cfg, pids), pw, expert_fn_factory(cfg), psc)
-        raise AssertionError(f"relative error {err}; "
-                             + diagnose_tokens(o, want, want_route, idc, stale=stale))
-    return err
-
-
-def diagnose_tokens(o, want, route, ids, show=6, stale=None):
-    """Which tokens of a failed combine are wrong, and what they look like instead (the
-    expected row of another token, zero, a multiple of the right row, or ``stale``: the
-    previous exchange's result)."""
-    tok_err = (o - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
-    bad = (tok_err > 1.5e-2).nonzero().flatten().tolist()
-    lines = [f"{len(bad)}/{o.shape[0]} tokens wrong"]
-    if stale is not None and bad:
-        n = min(stale.shape[0], o.shape[0])
-        se = (o[:n] - stale[:n]).norm(dim=1) / stale[:n].norm(dim=1).clamp_min(1e-30)
-        hits = [t for t in bad if t < n and float(se[t]) < 1.5e-2]
-        lines.append(f"{len(hits)} of them hold the previous exchange's result")
-    for t in bad[:show]:
-        d = (want - o[t]).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
-        best = int(d.argmin())
-        ratio = float(o[t].norm() / want[t].norm().clamp_min(1e-30))
-        cos = float((o[t] @ want[t]) / (o[t].norm() * want[t].norm()).clamp_min(1e-30))
-        lines.append(f"t={t} err={float(tok_err[t]):.3g} |o|/|want|={ratio:.3g} cos={cos:.3g} "
-                     f"closest want[{best}] ({float(d[best]):.3g}) route={int(route[t])} "
-                     f"ids={ids[t].tolist()}")
-    return "; ".join(lines)
+def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2, previous=None) -> float:
+    """One Attention rank's route and output of ``ffn_rows``'s expert (1 + e/E)."""
+    return _check_attention(cfg, (x, ids, w, sc), out, route, expert=scale_expert(cfg),
+                            tol=tol, previous=previous)
 
 
 def _transport(cfg, rank):
-    from torch_afdep._cuda_impl import CudaTransport
+    from torch_afdep.transport.cuda import CudaTransport
 
     return CudaTransport(cfg, rank, torch.device("cuda", torch.cuda.current_device()),
                          dist.group.WORLD)
@@ -249,7 +113,7 @@ def flag_round_trip_body(rank, world, cfg_kw, calls):
 
 
 def _delay_cycles(name):
-    ms = float(os.environ.get(name, "0") or 0)
+    ms = float(env.get(name))
     return int(ms * 2e6)  # about 2 GHz SM clock: a rough delay is enough
 
 
@@ -457,54 +321,233 @@ def sizes_body(rank, world, cfg_kw):
         t.close()
 
 
-def buffer_body(rank, world, cfg_kw, plan, seed0):
-    """The same checks through the public Buffer API (torch_afdep.Buffer on a CUDA device)."""
-    import torch_afdep
+# ---- fault bodies ---------------------------------------------------------------------------
+_save = save_rank_record
 
+
+def load_record(outdir: str, rank: int) -> dict:
+    return load_rank_record(outdir, rank, missing={})
+
+
+def _touch(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
+
+
+def _wait_files(paths, limit: float) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if all(os.path.exists(p) for p in paths):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class _Exchange:
+    """Eager exchanges on one transport, checked on every rank (plain routing)."""
+
+    def __init__(self, cfg, rank, t, dev, bucket=32):
+        self.cfg, self.rank, self.t, self.dev, self.bucket = cfg, rank, t, dev, bucket
+        self.role, self.idx = cfg.role_of(rank), cfg.role_index(rank)
+        self.tokens = [bucket - 3 * a for a in range(cfg.attention_ranks)]
+        self.o = FfnOutputs(cfg, bucket, dev) if self.role == FFN else None
+
+    def inputs(self, n):
+        return [make_inputs(self.cfg, a, self.tokens[a], "partial", 900 + n)
+                for a in range(self.cfg.attention_ranks)]
+
+    def dispatch(self, n):
+        x, ids, w, sc = self.inputs(n)[self.idx]
+        T = x.shape[0]
+        self.route = torch.full((T,), -7, dtype=torch.int64, device=self.dev)
+        self.out = torch.full((T, self.cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
+                              device=self.dev)
+        self.t.dispatch(x.to(self.dev), ids.to(self.dev), w.to(self.dev),
+                        None if sc is None else sc.to(self.dev), self.bucket, self.route)
+
+    def combine(self):
+        self.t.combine(self.route, self.out)
+
+    def check_attention(self, n):
+        torch.cuda.synchronize()
+        self.t.check_error()
+        x, ids, w, sc = self.inputs(n)[self.idx]
+        return check_attention(self.cfg, x, ids, w, sc, self.route, self.out)
+
+    def receive(self):
+        self.o.poison()
+        self.o.receive(self.t)
+
+    def reply(self):
+        o = self.o
+        rows = ffn_rows(self.cfg, self.idx, o.x, o.x_scales if self.cfg.scale_cols else None,
+                           o.weights, o.offsets)
+        self.t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
+
+    def check_ffn(self, n):
+        torch.cuda.synchronize()
+        self.t.check_error()
+        check_ffn(self.cfg, self.idx, self.o, self.inputs(n))
+        return True
+
+    def whole(self, n):
+        if self.role == FFN:
+            self.receive()
+            self.reply()
+            return self.check_ffn(n)
+        self.dispatch(n)
+        self.combine()
+        return self.check_attention(n)
+
+
+def _timed_wait(t, t_launch: float, death_file: str = "") -> dict:
+    """Synchronize (the waiting kernel ends by itself at its deadline) and read the error."""
+    torch.cuda.synchronize()
+    now = time.monotonic()
+    rec = {"elapsed": now - t_launch, "type": None}
+    if death_file and os.path.exists(death_file):
+        with open(death_file) as f:
+            rec["after_death"] = time.time() - float(f.read())
+    try:
+        t.check_error()
+    except Exception as e:  # noqa: BLE001 (recorded; the test asserts the type)
+        rec.update(type=type(e).__name__, message=str(e), peer=getattr(e, "peer", None),
+                   phase=getattr(e, "phase", None), rank=getattr(e, "rank", None))
+    return rec
+
+
+def kill_body(rank, world, cfg_kw, outdir, scenario, healthy=2):
+    """A rank dies (os._exit) in the middle of an exchange; every survivor's waiting kernel
+    must end at its deadline and check_error raise AfdepTimeoutError naming the peer and the
+    phase; the survivor then closes without its peers and returns.
+
+    scenario "ffn_after_receive": FFN index 0 dies after receiving exchange n (its reply never
+    comes) while the Attention ranks wait in combine; other FFN ranks reply, then wait for an
+    exchange n+1 no Attention rank sends.
+    scenario "attention_before_collect": Attention index 0 dispatches exchange n and dies
+    before its collect, once every FFN rank replied to n and is waiting in receive n+1; the
+    other Attention ranks collect n and dispatch n+1, then wait in combine n+1."""
     cfg = make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
-    buf = torch_afdep.Buffer(dist.group.WORLD, cfg, device=dev)
-    role, idx = cfg.role_of(rank), cfg.role_index(rank)
-    done = 0
+    t = _transport(cfg, rank)
+    ex = _Exchange(cfg, rank, t, dev)
+    role = ex.role
+    rec = {"role": role, "rank": rank, "healthy": [], "victim": False}
+    _save(outdir, rank, rec)
+    death = os.path.join(outdir, "death")
+    ffn_ranks, att_ranks = cfg.ffn_group_ranks, cfg.attention_group_ranks
     try:
-        assert type(buf.transport).__name__ == "CudaTransport"
-        for i, (bucket, tokens, routing) in enumerate(plan):
-            inputs = [make_inputs(cfg, a, tokens[a], routing, seed0 + i)
-                      for a in range(cfg.attention_ranks)]
+        for n in range(healthy):
+            rec["healthy"].append(bool(ex.whole(n)) if role == FFN else ex.whole(n))
+        dist.barrier()
+        _save(outdir, rank, rec)
+        n = healthy
+        limit = float(cfg.timeout_s) + 60.0
+        if scenario == "ffn_after_receive":
+            victim = ffn_ranks[0]
+            if rank == victim:
+                ex.receive()
+                torch.cuda.synchronize()  # every Attention rank's dispatch n arrived
+                rec["victim"] = True
+                _save(outdir, rank, rec)
+                _touch(death)
+                os._exit(1)
             if role == FFN:
-                rec = buf.worker_receive(bucket)
-                rows = ffn_rows(cfg, idx, rec.x, rec.x_scales, rec.weights, rec.expert_offsets)
-                buf.worker_reply(rows, rec.receipt)
-                torch.cuda.synchronize()
+                ex.receive()
+                ex.reply()
+                rec["exchange_n"] = ex.check_ffn(n)
+                _save(outdir, rank, rec)
+                t0 = time.monotonic()
+                ex.receive()  # n+1: no Attention rank sends it
+                rec["wait"] = _timed_wait(t, t0, death)
             else:
-                x, ids, w, sc = inputs[idx]
-                buf.source_dispatch(x.to(dev), ids.to(dev), w.to(dev), bucket,
-                                    None if sc is None else sc.to(dev))
-                out = buf.source_collect()
+                ex.dispatch(n)
+                t0 = time.monotonic()
+                ex.combine()
+                rec["wait"] = _timed_wait(t, t0, death)
+        elif scenario == "attention_before_collect":
+            victim = att_ranks[0]
+            replied = [os.path.join(outdir, f"waiting{r}") for r in ffn_ranks]
+            if rank == victim:
+                ex.dispatch(n)
                 torch.cuda.synchronize()
-                route = ref.route_mask(cfg, clean_ids(cfg, ids))
-                check_attention(cfg, x, ids, w, sc, route, out)
-            done += 1
+                rec["victim"] = True
+                rec["saw_ffn_waiting"] = _wait_files(replied, limit)
+                _save(outdir, rank, rec)
+                time.sleep(0.2)  # the FFN ranks' receive n+1 kernels are spinning by now
+                _touch(death)
+                os._exit(1)
+            if role == FFN:
+                ex.receive()
+                ex.reply()
+                torch.cuda.synchronize()  # the reply rows of n landed before the death
+                t0 = time.monotonic()
+                ex.receive()  # n+1: the victim never dispatches it
+                _touch(os.path.join(outdir, f"waiting{rank}"))
+                rec["wait"] = _timed_wait(t, t0, death)
+            else:
+                ex.dispatch(n)
+                ex.combine()
+                rec["exchange_n"] = ex.check_attention(n)
+                _save(outdir, rank, rec)
+                ex.dispatch(n + 1)
+                t0 = time.monotonic()
+                ex.combine()  # no FFN rank replies to n+1
+                rec["wait"] = _timed_wait(t, t0, death)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        _save(outdir, rank, rec)
+        t0 = time.monotonic()
+        t.close(clean=False)
+        rec["close_s"] = time.monotonic() - t0
+    except BaseException:
+        rec["error"] = traceback.format_exc()
+        _save(outdir, rank, rec)
+        raise
     finally:
-        buf.close()
-    return done
+        try:
+            t.close(clean=False)
+        except Exception:
+            pass
+    _save(outdir, rank, rec)
+    return rec
 
 
-def spawn_gpu_world(fn, world, *args, device_ids, **kw):
-    """``spawn_world`` for GPU worlds: one rank per GPU where the machine has enough GPUs
-    (``device_ids`` is the mapping for two GPUs). Several ranks on one GPU need that GPU to run kernels of
-    several processes at once (the spin-waits assume it): CUDA MPS does, plain time-slicing
-    did not on the lent H200s (a receiver's spinning kernel kept its peer's kernel off the GPU
-    until the receiver timed out). Such worlds skip unless ``AFDEP_TEST_SHARED_GPU=1``, which
-    scripts/gpu_suite.sh sets after it started an MPS daemon."""
-    import pytest
-
-    from torch_afdep.testing import spawn_world
-
-    device_ids = list(device_ids)
-    if len(set(device_ids)) < len(device_ids) and torch.cuda.device_count() >= len(device_ids):
-        device_ids = list(range(len(device_ids)))  # enough GPUs: one rank per GPU
-    if len(set(device_ids)) < len(device_ids) and os.environ.get("AFDEP_TEST_SHARED_GPU") != "1":
-        pytest.skip(f"ranks share a GPU (devices {device_ids}): needs CUDA MPS "
-                    "(AFDEP_TEST_SHARED_GPU=1)")
-    return spawn_world(fn, world, *args, device_ids=device_ids, **kw)
+def skip_body(rank, world, cfg_kw, healthy=3):
+    """After ``healthy`` checked exchanges a rank skips its part of the next one (the waiting
+    peer's signal slots hold the previous exchange's sequence number, which must not satisfy
+    the wait): on transport 1 the Attention rank skips its dispatch (the FFN rank's receive
+    times out: peer = Attention, phase dispatch); on transport 2 the FFN rank receives but
+    skips its reply (the Attention rank's combine times out: peer = FFN, phase combine).
+    Both ranks close cleanly afterwards (both are alive)."""
+    cfg = make_config(cfg_kw)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    role = cfg.role_of(rank)
+    out = {"role": role}
+    for name in ("skip_dispatch", "skip_reply"):
+        t = _transport(cfg, rank)
+        ex = _Exchange(cfg, rank, t, dev)
+        res = {"healthy": [ex.whole(n) for n in range(healthy)]}
+        dist.barrier()
+        n = healthy
+        if name == "skip_dispatch":
+            if role == FFN:
+                t0 = time.monotonic()
+                ex.receive()
+                res["wait"] = _timed_wait(t, t0)
+        else:
+            if role == FFN:
+                ex.receive()
+                torch.cuda.synchronize()
+                res["received"] = ex.check_ffn(n)  # the exchange arrived; no reply follows
+            else:
+                ex.dispatch(n)
+                t0 = time.monotonic()
+                ex.combine()
+                res["wait"] = _timed_wait(t, t0)
+        t0 = time.monotonic()
+        t.close()  # clean: both ranks meet
+        res["close_s"] = time.monotonic() - t0
+        out[name] = res
+    return out

@@ -1,5 +1,8 @@
 """The torch.library ops: opcheck, torch.compile tracing (graph pinned), bad inputs, ordering
-errors, config mismatches and several buffers — all on CPU with real processes."""
+errors, config mismatches and several buffers, with real processes. Compile, bad inputs,
+mismatches and the registry run on every device; opcheck (it calls each op several times in
+a row, unpaired) and the silent peer (on CUDA the kernel's deadline reports it: tests/gpu)
+on CPU."""
 
 import expecttest
 import pytest
@@ -9,44 +12,51 @@ import torch_afdep
 from torch_afdep import Config
 from torch_afdep.testing import spawn_world
 
-import _bodies
+from tests.helpers import op_bodies
+from tests.helpers.devices import spawn_on
 
 
-class TestOps(expecttest.TestCase):
-    def test_opcheck_every_op(self):
-        results = spawn_world(_bodies.opcheck_body, 2)
-        seen = {}
-        for res in results:
-            seen.update(res)
-        self.assertEqual(sorted(seen), ["combine", "dispatch", "receive", "reply"])
-        for op, checks in seen.items():
-            self.assertEqual(len(checks), 4, op)
-            for name, status in checks.items():
-                self.assertEqual(status, "SUCCESS", f"{op} {name}")
+@pytest.fixture(scope="module")
+def errors_world(device):
+    """{rank: record} of one world running the registry, bad-input and mismatch checks."""
+    return spawn_on(device, op_bodies.errors_world_body, 2, timeout=300)
 
-    def test_compile_fullgraph_both_roles(self):
-        ffn, attn = spawn_world(_bodies.compile_body, 2)
-        # One graph per role, no graph breaks; numerics of three compiled exchanges.
-        self.assertEqual(len(attn["graphs"]), 1)
-        self.assertEqual(len(ffn["graphs"]), 1)
-        self.assertTrue(all(e < 1e-2 for e in attn["errors"]), attn["errors"])
-        for got, want in ffn["counts"]:
-            self.assertEqual(got, want)
-        # 3 compiled exchanges, 2 ops each: every op polled the device errors when it ran
-        self.assertGreaterEqual(attn["polls"], 6)
-        self.assertGreaterEqual(ffn["polls"], 6)
-        self.assertExpectedInline(_normalize(attn["graphs"][0]), """\
+
+def test_opcheck_every_op():
+    results = spawn_world(op_bodies.opcheck_body, 2)
+    seen = {}
+    for res in results:
+        seen.update(res)
+    assert sorted(seen) == ["combine", "dispatch", "receive", "reply"]
+    for op, checks in seen.items():
+        assert len(checks) == 4, op
+        for name, status in checks.items():
+            assert status == "SUCCESS", f"{op} {name}"
+
+
+def test_compile_fullgraph_both_roles(device):
+    ffn, attn = spawn_on(device, op_bodies.compile_body, 2, timeout=300)
+    # One graph per role, no graph breaks; numerics of three compiled exchanges.
+    assert len(attn["graphs"]) == 1
+    assert len(ffn["graphs"]) == 1
+    assert all(e < 1e-2 for e in attn["errors"]), attn["errors"]
+    for got, want in ffn["counts"]:
+        assert got == want
+    # 3 compiled exchanges, 2 ops each: every op polled the device errors when it ran
+    assert attn["polls"] >= 6
+    assert ffn["polls"] >= 6
+    expecttest.assert_expected_inline(_normalize(attn["graphs"][0]), """\
 def forward(self, L_x_ : torch.Tensor, L_ids_ : torch.Tensor, L_w_ : torch.Tensor, G_state : torch.Tensor):
     l_x_ = L_x_
     l_ids_ = L_ids_
     l_w_ = L_w_
     g_state = G_state
-    route = torch.ops.afdep.dispatch(g_state, l_x_, l_ids_, l_w_, None, 'GROUP', 0, 8, 0);  l_x_ = l_ids_ = l_w_ = None
+    route = torch.ops.afdep.dispatch(g_state, l_x_, l_ids_, l_w_, None, 'GROUP', 0, 8, 0, False);  l_x_ = l_ids_ = l_w_ = None
     combine = torch.ops.afdep.combine(g_state, route, 'GROUP', 0, 0);  g_state = route = None
     float_1 = combine.float();  combine = None
     mul = float_1 * 0.5;  float_1 = None
     return (mul,)""")
-        self.assertExpectedInline(_normalize(ffn["graphs"][0]), """\
+    expecttest.assert_expected_inline(_normalize(ffn["graphs"][0]), """\
 def forward(self, G_state : torch.Tensor):
     g_state = G_state
     receive = torch.ops.afdep.receive(g_state, 'GROUP', 0, 8, 0)
@@ -63,32 +73,37 @@ def forward(self, G_state : torch.Tensor):
     reply = torch.ops.afdep.reply(g_state, rows, token_rows, token_index, num, 'GROUP', 0, 0);  g_state = rows = token_rows = token_index = num = reply = None
     return (offsets,)""")
 
-    def test_bad_inputs_raise_before_communication(self):
-        msgs = spawn_world(_bodies.bad_input_body, 2)
-        # The errors name the argument and the allowed range.
-        attn = msgs[1]
-        self.assertTrue(any("expert_ids must be in [-1, 4)" in m for m in attn))
-        self.assertTrue(any("bucket must be in [1, 8]" in m for m in attn))
 
-    def test_config_mismatch_raises_everywhere(self):
-        msgs = spawn_world(_bodies.mismatch_body, 2)
-        self.assertIsNotNone(msgs[0])
-        self.assertEqual(msgs[0], msgs[1])
-        self.assertIn("hidden_size: 128 on rank 0 vs 256 on rank 1", msgs[0])
+def test_bad_inputs_raise_before_communication(errors_world, device):
+    # The errors name the argument and the allowed range.
+    attn = errors_world[1]["bad_inputs"]
+    assert any("expert_ids must be in [-1, 4)" in m for m in attn)
+    assert any("bucket must be in [1, 8]" in m for m in attn)
+    assert any(f"x must be on {device}" in m for m in attn)
+    assert any("attention_ranks + ffn_ranks" in m for m in errors_world[0]["bad_inputs"])
 
-    def test_silent_peer_times_out(self):
-        ffn, attn = spawn_world(_bodies.timeout_body, 2, timeout=60)
-        peer, phase, rank, waited, msg = attn
-        # The FFN rank never took the dispatch: that is what the Attention rank reports.
-        self.assertEqual((peer, phase, rank), (0, "dispatch", 1))
-        self.assertLess(waited, 5.0)
-        self.assertIn("group rank 0", msg)
-        self.assertIn("close() could not meet every peer", ffn)
 
-    def test_two_buffers_on_one_group(self):
-        ffn, attn = spawn_world(_bodies.registry_body, 2)
-        self.assertEqual(len(attn), 3)
-        self.assertTrue(all(e < 1e-2 for e in attn), attn)
+def test_config_mismatch_raises_everywhere(errors_world):
+    msgs = [r["mismatch"] for r in errors_world]
+    assert msgs[0] is not None
+    assert msgs[0] == msgs[1]
+    assert "hidden_size: 128 on rank 0 vs 256 on rank 1" in msgs[0]
+
+
+def test_silent_peer_times_out():
+    ffn, attn = spawn_world(op_bodies.timeout_body, 2, timeout=60)
+    peer, phase, rank, waited, msg = attn
+    # The FFN rank never took the dispatch: that is what the Attention rank reports.
+    assert (peer, phase, rank) == (0, "dispatch", 1)
+    assert waited < 5.0
+    assert "group rank 0" in msg
+    assert "close() could not meet every peer" in ffn
+
+
+def test_two_buffers_on_one_group(errors_world):
+    attn = errors_world[1]["registry"]
+    assert len(attn) == 3
+    assert all(e < 1e-2 for e in attn), attn
 
 
 def _normalize(code: str) -> str:

@@ -15,6 +15,8 @@ from torch_afdep import _C
 from torch_afdep.distributed import backend as backend_mod
 from torch_afdep.testing import spawn_world
 
+from tests.helpers.devices import need_gpus
+
 ad.register_backend()  # also runs in spawned children, which import this module
 
 F, A = "ffn", "attention"
@@ -379,7 +381,7 @@ def _nccl_body(rank, ws, port):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@need_gpus(2, "NCCL takes one rank per GPU")
 def test_nccl_inner_2_gpus():
     import socket
 

@@ -1,11 +1,13 @@
-"""Spawned-world bodies of the lifecycle and fault tests (module level: spawn pickles them).
+"""Spawned-world bodies of the lifecycle and CPU fault tests: the *parts* of a world.
 
 A world runs several *parts* in one pair of processes (spawned worlds are slow to start); each
 part's outcome is recorded separately, so one failing part fails one test, and every rank
 writes its results to ``outdir/rank<r>.pkl`` as it goes: a rank that is killed on purpose
 makes ``spawn_world`` raise ``WorldError``, and the survivor's file is how its report gets out.
 
-Layout of every world: 2 ranks, group rank 0 = FFN, group rank 1 = Attention (1A1F).
+Layout of every world: 2 ranks, group rank 0 = FFN, group rank 1 = Attention (1A1F). Every
+part gets the rank's device (``lifecycle_world`` takes "cpu" or "cuda"; the fault worlds run
+the CPU transport's failure semantics, CUDA's are in tests/gpu).
 Exactness: the FFN ranks reply ``bf16((x * (g + 1) * scale) * w)`` per row (g = global
 expert, all in fp32); with top_k = 2 a token's reply is the fp32 sum of at most two such rows,
 so ``exact_output`` predicts the combined output bit for bit; it is also checked against the
@@ -26,8 +28,10 @@ import torch.distributed as dist
 import torch_afdep
 from torch_afdep import AfdepError, AfdepStateError, Buffer, Config
 from torch_afdep import reference as ref
-from torch_afdep import registry
+from torch_afdep import env, registry
 from torch_afdep.testing import load_rank_record, save_rank_record
+
+from .devices import rank_device, sync
 
 SMALL = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=4, top_k=2,
              ffn_ranks=1, attention_ranks=1, timeout_s=30.0)
@@ -49,9 +53,8 @@ def warm_up_process() -> None:
 
 # ---- inputs, expert rows, exact model ----------------------------------------------------
 def make_inputs(cfg: Config, t: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    ids, w = ref.random_routing(cfg, t, "partial", generator=g)
+    """(x, ids, w) on the host, "partial" routing (some tokens reach no expert)."""
+    x, ids, w, _ = ref.make_inputs(cfg, t, "partial", seed)
     return x, ids, w
 
 
@@ -61,8 +64,8 @@ def ffn_rows(cfg: Config, f: int, rec, scale: float = 1.0) -> torch.Tensor:
     No host reads of the counts, so it also traces under torch.compile(fullgraph=True)."""
     el = cfg.experts_per_rank
     mult = torch.tensor([(f * el + e + 1) * scale for e in range(el)] + [0.0],
-                        dtype=torch.float32)
-    idx = torch.arange(rec.x.shape[0], dtype=torch.int32)
+                        dtype=torch.float32, device=rec.x.device)
+    idx = torch.arange(rec.x.shape[0], dtype=torch.int32, device=rec.x.device)
     e = torch.searchsorted(rec.expert_offsets[1:].contiguous(), idx, right=True)
     rows = (rec.x.float() * mult[e][:, None]) * rec.weights[:, None]
     return rows.to(torch.bfloat16)
@@ -82,6 +85,7 @@ def exact_output(cfg: Config, x, ids, w, scale: float = 1.0) -> torch.Tensor:
 
 
 def check_output(cfg: Config, out, x, ids, w, scale: float = 1.0) -> dict:
+    out = out.cpu()
     want = exact_output(cfg, x, ids, w, scale)
     rel = ref.relative_error(out, ref.moe_output(cfg, x, ids, w,
                                                  lambda g, r: r * ((g + 1) * scale)))
@@ -89,7 +93,7 @@ def check_output(cfg: Config, out, x, ids, w, scale: float = 1.0) -> dict:
 
 
 def counts_ok(cfg: Config, rec, f: int, ids) -> bool:
-    offs = rec.expert_offsets.to(torch.int64)
+    offs = rec.expert_offsets.cpu().to(torch.int64)
     want = ref.expert_counts(cfg, [ids])[f]
     return bool(torch.equal(offs[1:] - offs[:-1], want))
 
@@ -97,12 +101,14 @@ def counts_ok(cfg: Config, rec, f: int, ids) -> bool:
 # ---- one exchange, split so the tests can interleave ------------------------------------
 def attn_send(buf: Buffer, t: int, seed: int, bucket: int = 8):
     x, ids, w = make_inputs(buf.config, t, seed)
-    buf.source_dispatch(x, ids, w, bucket=bucket)
+    dev = buf.device
+    buf.source_dispatch(x.to(dev), ids.to(dev), w.to(dev), bucket=bucket)
     return x, ids, w
 
 
 def attn_finish(buf: Buffer, sent, scale: float = 1.0) -> dict:
     out = buf.source_collect()
+    sync(buf.device)
     return check_output(buf.config, out, *sent, scale)
 
 
@@ -151,16 +157,18 @@ def load_results(outdir: str, rank: int) -> dict:
     return load_rank_record(outdir, rank)
 
 
-def run_parts(rank: int, world: int, outdir: str, parts) -> dict:
-    """Run ``parts`` (names of part_* functions here) in order; a barrier between parts keeps
-    the ranks in step. Each part's value or traceback is saved after it ran."""
+def run_parts(rank: int, world: int, outdir: str, parts, device: str = "cpu") -> dict:
+    """Run ``parts`` (names of part_* functions here) in order on ``device``; a barrier
+    between parts keeps the ranks in step. Each part's value or traceback is saved after it
+    ran."""
     warm_up_process()
+    dev = rank_device(device)
     results = {}
     _save(outdir, rank, results)
     for n, name in enumerate(parts):
         t0 = time.monotonic()
         try:
-            value = globals()["part_" + name](rank, world, outdir)
+            value = globals()["part_" + name](rank, world, outdir, dev)
             results[name] = {"ok": True, "value": value}
         except BaseException:
             results[name] = {"ok": False, "error": traceback.format_exc()}
@@ -186,43 +194,70 @@ def _live(cls) -> int:
     return sum(1 for o in gc.get_objects() if type(o) is cls)
 
 
-def part_leak(rank, world, outdir, warmup: int = 50, count: int = 1000):
-    """Create and close ``warmup + count`` buffers (every tenth with an exchange); RSS after
-    the warm-up and after each quarter of the rest, and what is left alive."""
-    from torch_afdep._cpu_impl import CpuTransport
+#: Buffers of the leak part per device: (warm-up, counted, exchange every, record every).
+#: On CUDA every buffer registers and maps device memory (slower); AFDEP_TEST_BUFFERS sets
+#: the count there.
+def leak_plan(dev):
+    if dev.type == "cuda":
+        return 1, int(env.get("AFDEP_TEST_BUFFERS")), 100, 100
+    return 50, 1000, 10, 100
 
+
+def _transport_class(dev):
+    if dev.type == "cuda":
+        from torch_afdep.transport.cuda import CudaTransport
+
+        return CudaTransport
+    from torch_afdep.transport.cpu import CpuTransport
+
+    return CpuTransport
+
+
+def part_leak(rank, world, outdir, dev):
+    """Create and close ``warmup + count`` buffers (some with a checked exchange); host RSS
+    (and free device memory on CUDA) after the warm-up and after each quarter of the rest,
+    and what is left alive."""
+    warmup, count, every, record = leak_plan(dev)
     cfg = cfg_of()
-    checks = []
+    results = []
 
     def one(i):
-        with Buffer(None, cfg, device="cpu") as buf:
-            if i % 10 == 0:  # every tenth buffer also carries an exchange
+        with Buffer(None, cfg, device=dev) as buf:
+            if i % every == 0:  # some buffers also carry an exchange
                 res = exchange(buf, 1 + i % 8, 5000 + i)
-                if i % 100 == 0:
-                    checks.append(res)
+                if i % record == 0:
+                    results.append(res)
+
+    def free_bytes():
+        sync(dev)
+        return torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
 
     for i in range(warmup):
         one(i)
     gc.collect()
-    rss = [_rss_bytes()]
+    rss, free = [_rss_bytes()], [free_bytes()]
+    quarter = max(1, count // 4)
     t0 = time.monotonic()
     for i in range(warmup, warmup + count):
         one(i)
-        if (i - warmup + 1) % (count // 4) == 0:
+        done = i - warmup + 1
+        if done % quarter == 0 or done == count:
             gc.collect()
             rss.append(_rss_bytes())
+            free.append(free_bytes())
     seconds = time.monotonic() - t0
-    return {"rss": rss, "growth": rss[-1] - rss[0], "seconds": seconds, "count": count,
-            "live_buffers": _live(Buffer), "live_transports": _live(CpuTransport),
+    return {"rss": rss, "free": free, "growth": rss[-1] - rss[0], "seconds": seconds,
+            "count": count, "warmup": warmup, "live_buffers": _live(Buffer),
+            "live_transports": _live(_transport_class(dev)),
             "registry": sorted(registry._BUFFERS), "next_id": registry._NEXT_ID.get(
-                dist.group.WORLD.group_name), "checks": checks}
+                dist.group.WORLD.group_name), "checks": results}
 
 
-def part_close(rank, world, outdir):
+def part_close(rank, world, outdir, dev):
     """close() is collective (it waits for the slowest rank) and idempotent; every role method
     after it raises AfdepStateError; the afd_* wrappers no longer find the buffer."""
     cfg = cfg_of()
-    buf = Buffer(None, cfg, device="cpu")
+    buf = Buffer(None, cfg, device=dev)
     key = (buf.group_name, buf.buffer_id)
     first = exchange(buf, 5, 11)
     rec = None
@@ -242,8 +277,8 @@ def part_close(rank, world, outdir):
     if rank == ATTN_RANK:  # of times, and nothing waits)
         buf.close()
     again_s = time.monotonic() - t0
-    x, ids, w = make_inputs(cfg, 3, 13)
-    rows = torch.zeros(cfg.recv_rows(8), cfg.hidden_size, dtype=torch.bfloat16)
+    x, ids, w = (t.to(dev) for t in make_inputs(cfg, 3, 13))
+    rows = torch.zeros(cfg.recv_rows(8), cfg.hidden_size, dtype=torch.bfloat16, device=dev)
     receipt = rec.receipt if rec is not None else None
     after = {
         "source_dispatch": expect(AfdepStateError, buf.source_dispatch, x, ids, w, bucket=8),
@@ -256,7 +291,8 @@ def part_close(rank, world, outdir):
         "afd_dispatch": expect(RuntimeError, torch_afdep.afd_dispatch, x, ids, w, group=name,
                                bucket=8, buffer_id=bid),
         "afd_combine": expect(RuntimeError, torch_afdep.afd_combine,
-                              torch.zeros(3, dtype=torch.int64), group=name, buffer_id=bid),
+                              torch.zeros(3, dtype=torch.int64, device=dev), group=name,
+                              buffer_id=bid),
         "afd_receive": expect(RuntimeError, torch_afdep.afd_receive, group=name, bucket=8,
                               buffer_id=bid),
         "afd_reply": expect(RuntimeError, torch_afdep.afd_reply, rows, receipt, group=name),
@@ -270,30 +306,30 @@ class Boom(Exception):
     pass
 
 
-def part_context(rank, world, outdir):
+def part_context(rank, world, outdir, dev):
     """``with Buffer(...)`` closes the buffer on normal exit and when the body raises (on
     every rank, outside an exchange); a new buffer works afterwards."""
     cfg = cfg_of()
-    with Buffer(None, cfg, device="cpu") as b1:
+    with Buffer(None, cfg, device=dev) as b1:
         r1 = exchange(b1, 6, 21)
         open_inside = (b1.group_name, b1.buffer_id) in registry._BUFFERS
     key1 = (b1.group_name, b1.buffer_id)
     raised = None
     try:
-        with Buffer(None, cfg, device="cpu") as b2:
+        with Buffer(None, cfg, device=dev) as b2:
             r2 = exchange(b2, 7, 22)
             raise Boom("body failed")
     except Boom as e:
         raised = str(e)
     key2 = (b2.group_name, b2.buffer_id)
-    with Buffer(None, cfg, device="cpu") as b3:
+    with Buffer(None, cfg, device=dev) as b3:
         r3 = exchange(b3, 8, 23)
     return {"results": [r1, r2, r3], "open_inside": open_inside,
             "closed": [b1.closed, b2.closed, b3.closed], "raised": raised,
             "left_in_registry": [k for k in (key1, key2) if k in registry._BUFFERS]}
 
 
-def part_context_abort(rank, world, outdir):
+def part_context_abort(rank, world, outdir, dev):
     """The Attention rank's body raises between dispatch and collect (the FFN rank finishes
     its side and leaves its ``with`` normally): both ranks must get out, bounded by timeout_s,
     with the buffer closed. On its own group: the abandoned reply stays queued there."""
@@ -303,7 +339,7 @@ def part_context_abort(rank, world, outdir):
     buf = None
     outcome = None
     try:
-        with Buffer(group, cfg, device="cpu") as buf:
+        with Buffer(group, cfg, device=dev) as buf:
             if buf.role == "attention":
                 attn_send(buf, 5, 31)
                 raise Boom("attention body failed mid-exchange")
@@ -326,7 +362,7 @@ MISMATCHES = [
 ]
 
 
-def part_mismatch(rank, world, outdir):
+def part_mismatch(rank, world, outdir, dev):
     """Configs that differ across ranks: each detected at construction, the same error on
     every rank, promptly; then a matching buffer works (and got the same id everywhere).
     Last, A/F counts that differ (so the world size differs): recorded, not asserted here."""
@@ -336,12 +372,12 @@ def part_mismatch(rank, world, outdir):
         cfg = cfg_of(**{**base, **(change if rank == ATTN_RANK else {})})
         t0 = time.monotonic()
         try:
-            Buffer(None, cfg, device="cpu")
+            Buffer(None, cfg, device=dev)
             out[field] = {"error": None}
         except Exception as e:
             out[field] = {"error": f"{type(e).__name__}: {e}"}
         out[field]["seconds"] = time.monotonic() - t0
-    with Buffer(None, cfg_of(), device="cpu") as buf:
+    with Buffer(None, cfg_of(), device=dev) as buf:
         after = {"buffer_id": buf.buffer_id, "result": exchange(buf, 4, 41)}
     # attention_ranks differs: the world size the config needs differs. A group with a short
     # timeout bounds a rank that would wait for the other in the construction collective.
@@ -349,7 +385,7 @@ def part_mismatch(rank, world, outdir):
     cfg = cfg_of(attention_ranks=2 if rank == ATTN_RANK else 1)
     t0 = time.monotonic()
     try:
-        Buffer(group, cfg, device="cpu")
+        Buffer(group, cfg, device=dev)
         size = {"error": None}
     except Exception as e:
         size = {"error": f"{type(e).__name__}: {e}"}
@@ -359,7 +395,7 @@ def part_mismatch(rank, world, outdir):
     return {"fields": out, "after": after, "world_size": size}
 
 
-def part_groups(rank, world, outdir):
+def part_groups(rank, world, outdir, dev):
     """Two buffers on the default group, one on a gloo subgroup and one on an afdep-backend
     group, all with exchanges in flight at once, completed in different orders."""
     from torch_afdep.distributed import AfdepOptions
@@ -367,8 +403,8 @@ def part_groups(rank, world, outdir):
     cfg = cfg_of()
     g_gloo = dist.new_group([0, 1])
     g_afdep = dist.new_group([0, 1], backend="afdep", pg_options=AfdepOptions(roles="FA"))
-    bufs = [Buffer(None, cfg, device="cpu"), Buffer(None, cfg, device="cpu"),
-            Buffer(g_gloo, cfg, device="cpu"), Buffer(g_afdep, cfg, device="cpu")]
+    bufs = [Buffer(None, cfg, device=dev), Buffer(None, cfg, device=dev),
+            Buffer(g_gloo, cfg, device=dev), Buffer(g_afdep, cfg, device=dev)]
     tokens = [3, 8, 5, 1]
     scales = [1.0, 2.0, 3.0, 0.5]  # a reply delivered to the wrong buffer would show
     rounds = [  # (Attention dispatch order, collect order, FFN receive order, reply order)
@@ -406,13 +442,13 @@ ATTN_MODES = ["compiled", "methods", "compiled", "wrappers", "compiled", "method
 FFN_MODES = ["methods", "compiled", "wrappers", "compiled", "methods", "compiled"]
 
 
-def part_compile(rank, world, outdir):
+def part_compile(rank, world, outdir, dev):
     """Exchanges alternate between a torch.compile(fullgraph=True, backend="aot_eager") step
     built from the afd_* wrappers and eager calls (Buffer methods, or the wrappers)."""
     import torch._dynamo.utils
 
     cfg = cfg_of()
-    buf = Buffer(None, cfg, device="cpu")
+    buf = Buffer(None, cfg, device=dev)
     name, bid = buf.group_name, buf.buffer_id
     t_compiled = 6
 
@@ -439,14 +475,15 @@ def part_compile(rank, world, outdir):
         seed = 70 + i
         x, ids, w = make_inputs(cfg, t, seed)
         if buf.role == "attention":
+            xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
             if mode == "compiled":
-                out = step(x, ids, w)
+                out = step(xd, idd, wd)
             elif mode == "wrappers":
-                route = torch_afdep.afd_dispatch(x, ids, w, group=name, bucket=8,
+                route = torch_afdep.afd_dispatch(xd, idd, wd, group=name, bucket=8,
                                                  buffer_id=bid)
                 out = torch_afdep.afd_combine(route, group=name, buffer_id=bid)
             else:
-                buf.source_dispatch(x, ids, w, bucket=8)
+                buf.source_dispatch(xd, idd, wd, bucket=8)
                 out = buf.source_collect()
             results.append((mode, check_output(cfg, out, x, ids, w)))
         else:
@@ -462,7 +499,9 @@ def part_compile(rank, world, outdir):
                 buf.worker_reply(ffn_rows(cfg, 0, rec), rec.receipt)
                 offs = rec.expert_offsets
             want = ref.expert_counts(cfg, [ids])[0]
+            offs = offs.cpu()
             results.append((mode, bool(torch.equal((offs[1:] - offs[:-1]).long(), want))))
+    sync(dev)
     graphs = counters["stats"]["unique_graphs"] - graphs0
     state = buf.state.tolist()
     buf.close()
@@ -470,12 +509,12 @@ def part_compile(rank, world, outdir):
 
 
 # ---- fault parts ------------------------------------------------------------------------
-def part_ordering(rank, world, outdir):
+def part_ordering(rank, world, outdir, dev):
     """Out-of-order calls and wrong receipts raise clear errors, and the next exchange is
     still exact."""
     cfg = cfg_of()
-    buf = Buffer(None, cfg, device="cpu")
-    other = Buffer(None, cfg, device="cpu")
+    buf = Buffer(None, cfg, device=dev)
+    other = Buffer(None, cfg, device=dev)
     errors, exact = {}, []
     # On the other buffer: an exchange whose receipt the FFN rank keeps (a wrong receipt).
     foreign = None
@@ -532,13 +571,13 @@ def part_ordering(rank, world, outdir):
     return {"errors": errors, "exact": exact}
 
 
-def part_skip(rank, world, outdir):
+def part_skip(rank, world, outdir, dev):
     """The Attention rank skips an exchange: the FFN rank's worker_receive raises
     AfdepTimeoutError naming the Attention rank and the dispatch phase after ~timeout_s, the
     buffer refuses further use, and both ranks close within a bounded time."""
     group = dist.new_group([0, 1])  # a skipped exchange leaves this group's ranks out of step
     cfg = cfg_of(timeout_s=FAST_TIMEOUT)
-    buf = Buffer(group, cfg, device="cpu")
+    buf = Buffer(group, cfg, device=dev)
     first = exchange(buf, 5, 90)
     out = {"first": first}
     if rank == FFN_RANK:
@@ -559,14 +598,14 @@ def part_skip(rank, world, outdir):
     return out
 
 
-def part_kill_ffn(rank, world, outdir):
+def part_kill_ffn(rank, world, outdir, dev):
     """The FFN rank dies (os._exit) right after worker_receive; the Attention rank's
     source_collect raises an AfdepError naming the FFN rank and the phase, within timeout_s
     of the death; it then refuses further use and closes promptly. Must be the last part."""
     group = dist.new_group([0, 1])
     cfg = cfg_of(timeout_s=FAST_TIMEOUT)
     death = os.path.join(outdir, "death")
-    buf = Buffer(group, cfg, device="cpu")
+    buf = Buffer(group, cfg, device=dev)
     first = exchange(buf, 5, 95)  # a healthy exchange first
     if rank == FFN_RANK:
         ffn_recv(buf)
@@ -586,14 +625,14 @@ def part_kill_ffn(rank, world, outdir):
     return {"first": first, "error": err, "after": after, "close_s": time.monotonic() - t0}
 
 
-def part_kill_attention(rank, world, outdir):
+def part_kill_attention(rank, world, outdir, dev):
     """The Attention rank dies (os._exit) right after source_dispatch; the FFN rank keeps
     serving exchanges until one raises an AfdepError naming the Attention rank and the phase,
     within timeout_s of the death; then it closes promptly. Must be the last part."""
     group = dist.new_group([0, 1])
     cfg = cfg_of(timeout_s=FAST_TIMEOUT)
     death = os.path.join(outdir, "death")
-    buf = Buffer(group, cfg, device="cpu")
+    buf = Buffer(group, cfg, device=dev)
     first = exchange(buf, 5, 97)
     if rank == ATTN_RANK:
         attn_send(buf, 6, 98)
@@ -623,9 +662,17 @@ def part_kill_attention(rank, world, outdir):
 
 
 # ---- world entry points ---------------------------------------------------------------------
-def lifecycle_world(rank, world, outdir):
-    return run_parts(rank, world, outdir, ["leak", "close", "context", "mismatch", "groups",
-                                           "compile", "context_abort"])
+#: Parts of the lifecycle world per device. The CPU-only parts test the CPU transport's
+#: behaviour: gloo and afdep-backend subgroups (an afdep group on CUDA would bring an NCCL
+#: inner, one rank per GPU), and an abort whose unread reply stays queued on gloo.
+LIFECYCLE_PARTS = {
+    "cpu": ["leak", "close", "context", "mismatch", "groups", "compile", "context_abort"],
+    "cuda": ["leak", "close", "context", "mismatch", "compile"],
+}
+
+
+def lifecycle_world(rank, world, outdir, device):
+    return run_parts(rank, world, outdir, LIFECYCLE_PARTS[device], device)
 
 
 def faults_world(rank, world, outdir):

@@ -2,7 +2,9 @@
 receive, SwiGLU experts on DTensor-sharded weights, reply) eager with every expert method,
 under torch.compile(fullgraph=True) with one and two micro-batch slots, FP8 payloads, all
 against the single-process fp64 layer; the expert formulations against each other without a
-world; and the compiled MoE example."""
+world; and the compiled MoE example. (On CUDA the layer is tested eager, compiled and in
+CUDA graphs by tests/gpu/test_cuda_graphs.py: DTensor experts on a CUDA mesh need NCCL, one
+rank per GPU.)"""
 
 import os
 import sys
@@ -12,13 +14,14 @@ import torch
 
 from torch_afdep.testing import spawn_world
 
-import _bodies
+from tests.helpers import nn_bodies
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+#: examples/ at the repository root (this file is tests/contract/<name>.py)
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 
 
 def test_afd_moe_world():
-    ffn0, ffn1, attn = spawn_world(_bodies.nn_world_body, 3, timeout=240)
+    ffn0, ffn1, attn = spawn_world(nn_bodies.nn_world_body, 3, timeout=240)
     assert ffn0["methods"] == ffn1["methods"] == ["grouped", "dense", "loop"]
     errs = attn["errors"]
     assert sorted(errs) == ["compiled", "compiled_two_slots", "eager_dense", "eager_grouped",

@@ -2,16 +2,18 @@
 contract (docs/contract.md), on the CUDA transport.
 
 Every test captures one exchange per rank (Attention: dispatch + combine; FFN: receive, the
-``gpu_worlds.ffn_rows`` expert, reply) per scenario, replays it with fresh hostile inputs
+``checks.ffn_rows`` expert, reply) per scenario, replays it with fresh hostile inputs
 copied into the captured tensors, poisons every output before each replay, and checks every
 replay on every rank: the Attention output bit for bit against an exact model (NaN and +-Inf
 positions included; tokens without a valid expert exactly zero) and against the fp64
 reference, the route handle, and everything the FFN ranks received (rows, expert offsets,
-weights, payload bits, receipt). Bodies and the hostile input kinds: tests/gpu/hostile_bodies.py.
+weights, payload bits, receipt). Bodies and the hostile input kinds: tests/helpers/hostile.py.
 
-Layouts: 1A1F = rank 0 FFN on cuda:0, rank 1 Attention on cuda:1; 2A2F = ranks 0, 1 FFN on
-cuda:0, cuda:1, ranks 2, 3 Attention on cuda:0, cuda:1 (two ranks per GPU over CUDA IPC).
-Skipped cleanly without two CUDA GPUs or without the built extension.
+Layouts: 1A1F = rank 0 FFN, rank 1 Attention; 2A2F = ranks 0, 1 FFN, ranks 2, 3 Attention;
+1A2F = ranks 0, 1 FFN, rank 2 Attention; rank r on GPU r % n_gpus (CUDA IPC; ranks sharing a
+GPU under CUDA MPS).
+Skipped cleanly without a CUDA GPU or without the built extension; rank r runs on
+GPU r % n_gpus (shared GPUs need CUDA MPS).
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-import gpu_worlds as gw  # noqa: E402  (tests/gpu is on sys.path under pytest)
+from tests.helpers import devices  # noqa: E402
 
-gw.skip_unless_two_gpus()
+devices.require_gpu_module()
 
-import hostile_bodies as hb  # noqa: E402
+from tests.helpers import hostile as hb  # noqa: E402
 
 
-ENV = gw.GPU_ENV
-LAYOUTS = {"1A1F": (1, 1, [0, 1]), "2A2F": (2, 2, [0, 1, 0, 1]), "1A2F": (2, 1, [0, 1, 0])}
+ENV = devices.GPU_ENV
+LAYOUTS = {name: (f, a, devices.rank_devices(f + a))
+           for name, (f, a) in {"1A1F": (1, 1), "2A2F": (2, 2), "1A2F": (2, 1)}.items()}
 
 
 def kw(layout, cap=128, hidden=2048, experts=128, top_k=8, sms=24, timeout=30.0):
@@ -45,7 +48,7 @@ def sc(kind, tokens, replays=8, id_dtype="int64"):
 
 def run(layout, cfg_kw, scenarios, seed, dup_mode="contract", timeout=600):
     F, A, devs = LAYOUTS[layout]
-    return gw.spawn_gpu_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
+    return devices.spawn_gpu_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
                        device_ids=devs, env=ENV, timeout=timeout)
 
 

@@ -1,5 +1,5 @@
-"""Spawned-world bodies of the hostile-input and fault GPU tests (module level: spawn pickles
-them by name). Used by tests/gpu/test_hostile_gpu.py and tests/gpu/test_faults_gpu.py.
+"""Hostile device inputs, their exact model and the hostile graph-replay body (it drives
+``CudaTransport`` inside CUDA graphs; tests/gpu/test_hostile_graphs.py).
 
 Hostile inputs (``hostile_inputs``), replayed inside CUDA graphs where the host cannot look
 at them:
@@ -15,7 +15,7 @@ at them:
 - ``mixed``: all of the above in one exchange (the compute-sanitizer variant).
 
 Exactness (``expected_output``): the FFN ranks reply ``bf16((x * s_e) * w)`` per row with
-``s_e = 1 + e/E`` (``gpu_worlds.ffn_rows``); the reply sums a token's rows in fp32 and the
+``s_e = 1 + e/E`` (``checks.ffn_rows``); the reply sums a token's rows in fp32 and the
 combine sums the <= F reply rows in fp32. All rows of one output element are the same
 payload element times positive factors in [0.1, 2.2], so the fp32 sums of at most k bf16
 values are exact in any order (the values span < 24 bits): the output is predicted bit for
@@ -28,17 +28,14 @@ its weight), as ``torch_afdep.reference.dedupe`` says.
 
 from __future__ import annotations
 
-import os
-import time
-import traceback
-
 import torch
 import torch.distributed as dist
 
-import gpu_worlds as gw
 from torch_afdep import reference as ref
 from torch_afdep.config import FFN
-from torch_afdep.testing import load_rank_record, save_rank_record
+
+from . import transport_bodies as tb
+from .checks import clean_ids, contract_ids, ffn_rows, scale_expert
 
 KINDS = ("bad_ids", "dups", "nonfinite", "one_expert", "no_route", "mixed")
 BAD_IDS_32 = (1 << 31) - 1, -(1 << 31), -2, -3, -1000
@@ -110,19 +107,14 @@ def hostile_inputs(cfg, a: int, tokens: int, kind: str, seed: int, id_dtype=torc
         ids = torch.where(m, vals, ids)
         bad = True
     x, sc = ref.to_payload(cfg, x32)
-    clean = gw.clean_ids(cfg, ids)
+    clean = clean_ids(cfg, ids)
     dups = bool((ref.dedupe(clean) != clean).any()) if T else False
     return {"x": x, "ids": ids.to(id_dtype), "w": w, "sc": sc, "bad": bad, "dups": dups}
 
 
-def contract_ids(cfg, ids) -> torch.Tensor:
-    """The ids the contract acts on: out-of-range -> -1, later duplicates -> -1 (int64)."""
-    return ref.dedupe(gw.clean_ids(cfg, ids))
-
-
 def dup_tokens(cfg, ids) -> torch.Tensor:
     """[T] bool: tokens with a repeated valid id."""
-    clean = gw.clean_ids(cfg, ids)
+    clean = clean_ids(cfg, ids)
     return (ref.dedupe(clean) != clean).any(dim=1)
 
 
@@ -183,7 +175,7 @@ def check_attention_exact(cfg, inp, route, out, skip_dup_tokens=False) -> dict:
     assert bool((o[none] == 0).all()), "tokens with no (valid) expert must be exactly zero"
     rel = 0.0
     if T:
-        ref64 = ref.moe_output(cfg, x, cids, w, gw.expert_fn_factory(cfg), sc)[keep]
+        ref64 = ref.moe_output(cfg, x, cids, w, scale_expert(cfg), sc)[keep]
         fin = torch.isfinite(ref64)
         num = (o[keep].to(torch.float64) - ref64)[fin].norm().item()
         rel = num / max(ref64[fin].norm().item(), 1e-30)
@@ -194,7 +186,7 @@ def check_attention_exact(cfg, inp, route, out, skip_dup_tokens=False) -> dict:
 def check_ffn_contract(cfg, f, o, inputs) -> None:
     """What FFN index f received, against the contract ids of every Attention rank (payload
     and scales bitwise, weights of the first occurrence, counts, receipt)."""
-    gw.check_ffn(cfg, f, o, [(i["x"], contract_ids(cfg, i["ids"]), i["w"], i["sc"])
+    tb.check_ffn(cfg, f, o, [(i["x"], contract_ids(cfg, i["ids"]), i["w"], i["sc"])
                              for i in inputs])
 
 
@@ -222,9 +214,9 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
 
     dup_mode "contract": duplicated ids are checked against the contract (counted once);
     "memory": tokens with duplicates are left out of the data checks (sanitizer variant)."""
-    cfg = gw.make_config(cfg_kw)
+    cfg = tb.make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
-    t = gw._transport(cfg, rank)
+    t = tb._transport(cfg, rank)
     role, idx = cfg.role_of(rank), cfg.role_index(rank)
     A = cfg.attention_ranks
     stats = {"role": role, "checked": 0, "route_errors": 0, "dup_route_errors": 0,
@@ -258,11 +250,11 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
                 stats["per_kind"][kind] = stats["per_kind"].get(kind, 0) + 1
 
             if role == FFN:
-                o = gw.FfnOutputs(cfg, bucket, dev)
+                o = tb.FfnOutputs(cfg, bucket, dev)
 
                 def step():
                     o.receive(t)
-                    rows = gw.ffn_rows(cfg, idx, o.x, o.x_scales if cfg.scale_cols else None,
+                    rows = ffn_rows(cfg, idx, o.x, o.x_scales if cfg.scale_cols else None,
                                        o.weights, o.offsets)
                     t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
 
@@ -331,235 +323,3 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
     finally:
         t.close()
     return stats
-
-
-# ---- fault bodies ---------------------------------------------------------------------------
-_save = save_rank_record
-
-
-def load_record(outdir: str, rank: int) -> dict:
-    return load_rank_record(outdir, rank, missing={})
-
-
-def _touch(path: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(repr(time.time()))
-    os.replace(path + ".tmp", path)
-
-
-def _wait_files(paths, limit: float) -> bool:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if all(os.path.exists(p) for p in paths):
-            return True
-        time.sleep(0.01)
-    return False
-
-
-class _Exchange:
-    """Eager exchanges on one transport, checked on every rank (plain routing)."""
-
-    def __init__(self, cfg, rank, t, dev, bucket=32):
-        self.cfg, self.rank, self.t, self.dev, self.bucket = cfg, rank, t, dev, bucket
-        self.role, self.idx = cfg.role_of(rank), cfg.role_index(rank)
-        self.tokens = [bucket - 3 * a for a in range(cfg.attention_ranks)]
-        self.o = gw.FfnOutputs(cfg, bucket, dev) if self.role == FFN else None
-
-    def inputs(self, n):
-        return [gw.make_inputs(self.cfg, a, self.tokens[a], "partial", 900 + n)
-                for a in range(self.cfg.attention_ranks)]
-
-    def dispatch(self, n):
-        x, ids, w, sc = self.inputs(n)[self.idx]
-        T = x.shape[0]
-        self.route = torch.full((T,), -7, dtype=torch.int64, device=self.dev)
-        self.out = torch.full((T, self.cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
-                              device=self.dev)
-        self.t.dispatch(x.to(self.dev), ids.to(self.dev), w.to(self.dev),
-                        None if sc is None else sc.to(self.dev), self.bucket, self.route)
-
-    def combine(self):
-        self.t.combine(self.route, self.out)
-
-    def check_attention(self, n):
-        torch.cuda.synchronize()
-        self.t.check_error()
-        x, ids, w, sc = self.inputs(n)[self.idx]
-        return gw.check_attention(self.cfg, x, ids, w, sc, self.route, self.out)
-
-    def receive(self):
-        self.o.poison()
-        self.o.receive(self.t)
-
-    def reply(self):
-        o = self.o
-        rows = gw.ffn_rows(self.cfg, self.idx, o.x, o.x_scales if self.cfg.scale_cols else None,
-                           o.weights, o.offsets)
-        self.t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
-
-    def check_ffn(self, n):
-        torch.cuda.synchronize()
-        self.t.check_error()
-        gw.check_ffn(self.cfg, self.idx, self.o, self.inputs(n))
-        return True
-
-    def whole(self, n):
-        if self.role == FFN:
-            self.receive()
-            self.reply()
-            return self.check_ffn(n)
-        self.dispatch(n)
-        self.combine()
-        return self.check_attention(n)
-
-
-def _timed_wait(t, t_launch: float, death_file: str = "") -> dict:
-    """Synchronize (the waiting kernel ends by itself at its deadline) and read the error."""
-    torch.cuda.synchronize()
-    now = time.monotonic()
-    rec = {"elapsed": now - t_launch, "type": None}
-    if death_file and os.path.exists(death_file):
-        with open(death_file) as f:
-            rec["after_death"] = time.time() - float(f.read())
-    try:
-        t.check_error()
-    except Exception as e:  # noqa: BLE001 (recorded; the test asserts the type)
-        rec.update(type=type(e).__name__, message=str(e), peer=getattr(e, "peer", None),
-                   phase=getattr(e, "phase", None), rank=getattr(e, "rank", None))
-    return rec
-
-
-def kill_body(rank, world, cfg_kw, outdir, scenario, healthy=2):
-    """A rank dies (os._exit) in the middle of an exchange; every survivor's waiting kernel
-    must end at its deadline and check_error raise AfdepTimeoutError naming the peer and the
-    phase; the survivor then closes without its peers and returns.
-
-    scenario "ffn_after_receive": FFN index 0 dies after receiving exchange n (its reply never
-    comes) while the Attention ranks wait in combine; other FFN ranks reply, then wait for an
-    exchange n+1 no Attention rank sends.
-    scenario "attention_before_collect": Attention index 0 dispatches exchange n and dies
-    before its collect, once every FFN rank replied to n and is waiting in receive n+1; the
-    other Attention ranks collect n and dispatch n+1, then wait in combine n+1."""
-    cfg = gw.make_config(cfg_kw)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    t = gw._transport(cfg, rank)
-    ex = _Exchange(cfg, rank, t, dev)
-    role = ex.role
-    rec = {"role": role, "rank": rank, "healthy": [], "victim": False}
-    _save(outdir, rank, rec)
-    death = os.path.join(outdir, "death")
-    ffn_ranks, att_ranks = cfg.ffn_group_ranks, cfg.attention_group_ranks
-    try:
-        for n in range(healthy):
-            rec["healthy"].append(bool(ex.whole(n)) if role == FFN else ex.whole(n))
-        dist.barrier()
-        _save(outdir, rank, rec)
-        n = healthy
-        limit = float(cfg.timeout_s) + 60.0
-        if scenario == "ffn_after_receive":
-            victim = ffn_ranks[0]
-            if rank == victim:
-                ex.receive()
-                torch.cuda.synchronize()  # every Attention rank's dispatch n arrived
-                rec["victim"] = True
-                _save(outdir, rank, rec)
-                _touch(death)
-                os._exit(1)
-            if role == FFN:
-                ex.receive()
-                ex.reply()
-                rec["exchange_n"] = ex.check_ffn(n)
-                _save(outdir, rank, rec)
-                t0 = time.monotonic()
-                ex.receive()  # n+1: no Attention rank sends it
-                rec["wait"] = _timed_wait(t, t0, death)
-            else:
-                ex.dispatch(n)
-                t0 = time.monotonic()
-                ex.combine()
-                rec["wait"] = _timed_wait(t, t0, death)
-        elif scenario == "attention_before_collect":
-            victim = att_ranks[0]
-            replied = [os.path.join(outdir, f"waiting{r}") for r in ffn_ranks]
-            if rank == victim:
-                ex.dispatch(n)
-                torch.cuda.synchronize()
-                rec["victim"] = True
-                rec["saw_ffn_waiting"] = _wait_files(replied, limit)
-                _save(outdir, rank, rec)
-                time.sleep(0.2)  # the FFN ranks' receive n+1 kernels are spinning by now
-                _touch(death)
-                os._exit(1)
-            if role == FFN:
-                ex.receive()
-                ex.reply()
-                torch.cuda.synchronize()  # the reply rows of n landed before the death
-                t0 = time.monotonic()
-                ex.receive()  # n+1: the victim never dispatches it
-                _touch(os.path.join(outdir, f"waiting{rank}"))
-                rec["wait"] = _timed_wait(t, t0, death)
-            else:
-                ex.dispatch(n)
-                ex.combine()
-                rec["exchange_n"] = ex.check_attention(n)
-                _save(outdir, rank, rec)
-                ex.dispatch(n + 1)
-                t0 = time.monotonic()
-                ex.combine()  # no FFN rank replies to n+1
-                rec["wait"] = _timed_wait(t, t0, death)
-        else:
-            raise ValueError(f"unknown scenario {scenario!r}")
-        _save(outdir, rank, rec)
-        t0 = time.monotonic()
-        t.close(clean=False)
-        rec["close_s"] = time.monotonic() - t0
-    except BaseException:
-        rec["error"] = traceback.format_exc()
-        _save(outdir, rank, rec)
-        raise
-    finally:
-        try:
-            t.close(clean=False)
-        except Exception:
-            pass
-    _save(outdir, rank, rec)
-    return rec
-
-
-def skip_body(rank, world, cfg_kw, healthy=3):
-    """After ``healthy`` checked exchanges a rank skips its part of the next one (the waiting
-    peer's signal slots hold the previous exchange's sequence number, which must not satisfy
-    the wait): on transport 1 the Attention rank skips its dispatch (the FFN rank's receive
-    times out: peer = Attention, phase dispatch); on transport 2 the FFN rank receives but
-    skips its reply (the Attention rank's combine times out: peer = FFN, phase combine).
-    Both ranks close cleanly afterwards (both are alive)."""
-    cfg = gw.make_config(cfg_kw)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    role = cfg.role_of(rank)
-    out = {"role": role}
-    for name in ("skip_dispatch", "skip_reply"):
-        t = gw._transport(cfg, rank)
-        ex = _Exchange(cfg, rank, t, dev)
-        res = {"healthy": [ex.whole(n) for n in range(healthy)]}
-        dist.barrier()
-        n = healthy
-        if name == "skip_dispatch":
-            if role == FFN:
-                t0 = time.monotonic()
-                ex.receive()
-                res["wait"] = _timed_wait(t, t0)
-        else:
-            if role == FFN:
-                ex.receive()
-                torch.cuda.synchronize()
-                res["received"] = ex.check_ffn(n)  # the exchange arrived; no reply follows
-            else:
-                ex.dispatch(n)
-                t0 = time.monotonic()
-                ex.combine()
-                res["wait"] = _timed_wait(t, t0)
-        t0 = time.monotonic()
-        t.close()  # clean: both ranks meet
-        res["close_s"] = time.monotonic() - t0
-        out[name] = res
-    return out
