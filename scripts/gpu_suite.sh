@@ -9,7 +9,10 @@
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
 #      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
-#      outside tests/gpu; always in full mode).
+#      outside tests/gpu and tests/contract, e.g. the doctor's; always in full mode).
+# Tests: tests/gpu (GPU-only) and the CUDA cases of tests/contract (-m gpu). Rank r runs on
+# GPU r % n_gpus, so one GPU runs everything (ranks share it under the MPS daemon started
+# below; 2-GPU-only tests, NCCL one rank per GPU, skip with their reason).
 set -u -o pipefail
 MODE="${1:-full}"
 OUT="${OUT:-$PWD/gpu_out}"
@@ -68,8 +71,8 @@ if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; 
   fi
 fi
 if [ "$MODE" = "smoke" ]; then
-  # about 5 minutes on 2 x H200: one rank per GPU, every kernel path of 1A1F
-  K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy"
+  # about 5 minutes on 2 x H200: every kernel path of 1A1F, the contract's 1A1F exchanges
+  K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy or (fp64_reference and 1A1F)"
 elif [ "$MODE" = "custom" ]; then
   K="${PYTEST_K:-not sanitizer}"
   PYTEST_K=""
@@ -77,34 +80,47 @@ else
   K="not sanitizer"
 fi
 [ -n "${PYTEST_K:-}" ] && K="($K) and ($PYTEST_K)"
-stamp "pytest -k '$K'" | tee "$OUT/tests.log"
-timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest tests/gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
+# The contract's CUDA cases (marked gpu) run with tests/gpu; its backend and mesh files need
+# the c10d extension (torch_afdep._C): left out, and said so, when it was not built.
+TESTS="tests/gpu tests/contract"
+if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
+  TESTS="$TESTS --ignore=tests/contract/test_backend.py --ignore=tests/contract/test_mesh.py"
+  stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
+fi
+stamp "pytest $TESTS -m gpu -k '$K'" | tee "$OUT/tests.log"
+timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
   --durations=15 >>"$OUT/tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$OUT/tests.log"
-# GPU tests that live beside CPU tests (marked gpu: the c10d backend's NCCL inner, DTensor
-# experts on 2 GPUs, the doctor's CUDA self-test); full mode, or MARKED=1
+# Other gpu-marked tests (tests/tools, tests/perf: the doctor's CUDA self-test); full mode, or MARKED=1
 if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then
-  stamp "pytest tests -m gpu (outside tests/gpu)" | tee "$OUT/tests-marked.log"
-  # only the files that hold gpu-marked tests (others may need test-only packages, e.g. expecttest)
-  timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest $(grep -l "mark.gpu" tests/*.py) -m gpu -v \
-    -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
-  echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
+  stamp "pytest -m gpu (outside tests/gpu and tests/contract)" | tee "$OUT/tests-marked.log"
+  # only the files that hold gpu-marked tests (others may need test-only packages)
+  MARKED_FILES=$(grep -rl "mark.gpu" tests --include='test_*.py' | grep -v -e '^tests/gpu/' -e '^tests/contract/')
+  if [ -n "$MARKED_FILES" ]; then
+    timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest $MARKED_FILES -m gpu -v \
+      -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
+    echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
+  else
+    echo "no gpu-marked files outside tests/gpu and tests/contract" | tee -a "$OUT/tests-marked.log"
+  fi
   tail -8 "$OUT/tests-marked.log"
-fi
-if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS
-  echo quit | nvidia-cuda-mps-control; trap - EXIT
-  unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 tail -25 "$OUT/tests.log"
 
 # ---- compute-sanitizer -------------------------------------------------------------
+# With fewer than two GPUs the small sanitizer layouts share a GPU: they run under the MPS
+# daemon still up (it stops after them); with two or more GPUs they run one rank per GPU.
 if [ "${SKIP_SAN:-0}" != "1" ]; then
-  stamp "compute-sanitizer memcheck (small 1A1F)" | tee "$OUT/sanitizer.log"
+  stamp "compute-sanitizer memcheck (small 1A1F, 1A2F; shared GPU: ${AFDEP_TEST_SHARED_GPU:-0})" | tee "$OUT/sanitizer.log"
   timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
-    --error-exitcode 9 $PY -m pytest tests/gpu -q -x -p no:cacheprovider -k sanitizer \
+    --error-exitcode 9 $PY -m pytest tests/gpu -q -x -rs -p no:cacheprovider -k sanitizer \
     >>"$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
-  grep -E "ERROR SUMMARY|passed|failed|error" "$OUT/sanitizer.log" | tail -8
+  grep -E "ERROR SUMMARY|passed|failed|error|SKIPPED" "$OUT/sanitizer.log" | tail -8
+fi
+if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS
+  echo quit | nvidia-cuda-mps-control; trap - EXIT
+  unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 
 # ---- benchmarks (each optional; all write JSON/MD under $OUT) ----------------------------
