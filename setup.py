@@ -21,6 +21,11 @@ import cuda_build  # noqa: E402  (csrc/cuda_build.py: stdlib only at import)
 ENV = cuda_build.load_env()
 
 
+#: What the package needs at run time (any torch from 2.11: engines such as vLLM pin their
+#: own). Exact versions for tests and CI live in requirements.txt only.
+INSTALL_REQUIRES = ["torch>=2.11"]
+
+
 def backend_extension():
     """The c10d backend: a C++ c10d::Backend that knows roles and delegates collectives."""
     return CppExtension(name="torch_afdep._C", **cuda_build.backend_extension_args(ROOT))
@@ -59,6 +64,8 @@ setup(
     description="Attention-FFN disaggregated MoE communication for PyTorch",
     packages=find_packages(include=["torch_afdep", "torch_afdep.*"]),
     python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": ["pytest", "expecttest", "numpy"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,
