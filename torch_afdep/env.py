@@ -114,7 +114,8 @@ _OTHERS = (
             "0 skips the host-side expert-id range check of eager CUDA dispatch (inside "
             "graphs the kernels check and report AfdepRouteError)", AT_DISPATCH),
     Setting("AFDEP_ROLES", "str", "",
-            "roles of afdep groups created without AfdepOptions, e.g. FFAA or 2F2A",
+            "roles of afdep groups created without AfdepOptions, e.g. FFAA or "
+            "ffn,ffn,attention,attention",
             AT_GROUP),
     Setting("AFDEP_TRACE", "bool", 0,
             "diagnostics: 1 records per-stage timestamps in the kernels (benchmarks.trace)",

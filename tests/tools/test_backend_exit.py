@@ -33,8 +33,6 @@ _BODY = textwrap.dedent("""
 """)
 
 
-# Strict: the backend.py fix (_create setting the group's backend type) must remove this mark.
-@pytest.mark.xfail(strict=True, reason="needs the torch_afdep/distributed/backend.py fix")
 def test_destroy_prints_no_backend_warning(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import threading
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -209,6 +210,24 @@ def _make_nccl(store, rank: int, size: int, timeout, group_name: str, global_ran
     return pg
 
 
+def _give_new_group_a_backend_type(helper_frame) -> None:
+    """Set the default backend type of the process group being created, where torch left it
+    UNDEFINED.
+
+    For a multi-device backend string ("cpu:gloo,cuda:afdep") torch's
+    ``_new_process_group_helper`` looks for a custom backend by comparing the first plugin's
+    name ("AFDEP", upper case) with the device map's values ("afdep"); they never match, the
+    group keeps ``BackendType.UNDEFINED`` and ``destroy_process_group()`` prints "No backend of
+    type 0 found ... (function hasHooks)" on every rank. ``_create`` runs inside that helper,
+    whose local ``pg`` is the new group: give it CUSTOM, the type torch registers afdep under
+    and meant to choose. Anything else (another caller, a type already set) is left alone."""
+    if helper_frame is None or helper_frame.f_code.co_name != "_new_process_group_helper":
+        return
+    pg = helper_frame.f_locals.get("pg")
+    if isinstance(pg, dist.ProcessGroup) and pg._get_backend_name() == "undefined":
+        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+
+
 def _create(dist_backend_opts, backend_options) -> "AfdepBackend":
     """Creator registered with c10d (``extended_api=True``): one AfdepBackend per group and
     device type mapped to afdep. Runs on every member of the new group."""
@@ -237,6 +256,7 @@ def _create(dist_backend_opts, backend_options) -> "AfdepBackend":
         cuda = _make_nccl(store, rank, size, timeout, group_name, global_ranks, options)
 
     backend = make_backend(rank, size, roles, cpu, cuda)
+    _give_new_group_a_backend_type(sys._getframe(1))
     with _lock:
         _roles_by_group[group_name] = tuple(roles)
     return backend

@@ -24,6 +24,7 @@ _ROUTE_KINDS = {
     0: "expert id outside [-1, num_experts)",
     1: "more local entries for one FFN rank than rows_per_token (duplicated ids)",
     2: "receipt or slot index out of range (bucket/receipt mismatch)",
+    3: "bucket mismatch",
 }
 
 
@@ -145,7 +146,16 @@ class CudaTransport(Transport):
             sharing = sum(1 for u, _ in devs if u == uuid)
             g = max(1, sms // sharing)
             best = g if best is None else min(best, g)
-        mine = max(1, props.multi_processor_count // sum(1 for u, _ in devs if u == uuid_me))
+        sharing_me = sum(1 for u, _ in devs if u == uuid_me)
+        if sharing_me > 1:  # correct but ~1,000x slow without MPS: say so before running
+            from ..mps import shared_gpu_problem
+
+            problem = shared_gpu_problem(sharing_me)
+            if problem:
+                import warnings
+
+                warnings.warn(f"torch_afdep: {problem}", RuntimeWarning, stacklevel=3)
+        mine = max(1, props.multi_processor_count // sharing_me)
         return int(best or props.multi_processor_count), int(mine)
 
     # ---- sizes ------------------------------------------------------------------------
@@ -222,7 +232,7 @@ class CudaTransport(Transport):
         (else None): ``(stamps, counters)`` with ``stamps`` an int64 tensor [ring, 2 phases,
         points] of %globaltimer ns (points: start, sent, waited, end, latest sent, latest
         waited, latest end, expansion ready, tokens claimed, payload written, reply rows
-        written, count table loaded: csrc/core/layout.h TracePoint; 0 = not reached)
+        written, count table loaded: csrc/include/afdep/layout.h TracePoint; 0 = not reached)
         indexed by exchange number modulo ring, and ``counters`` the (dispatch, combine) exchange numbers of CTA 0.
         Synchronizes the device: never call it inside a timed region."""
         from .. import _cuda
@@ -253,6 +263,16 @@ class CudaTransport(Transport):
                 err = expert_id_error(int(e["route_bad_id"]), self.config.num_experts)
                 raise AfdepRouteError(f"{err} (seen by the kernels on slot {self.slot}; the "
                                       "entry was skipped)")
+            if e["route_kind"] == 3:  # the ranks of one exchange used different buckets
+                peer, own = e.get("route_peer", -1), e.get("route_own", 0)
+                theirs = e["route_bad_id"]
+                did = "received" if not self.is_ffn else "dispatched"
+                effect = ("its tokens were not taken" if self.is_ffn else
+                          "its reply rows count as zero")
+                raise AfdepRouteError(
+                    f"{_ROUTE_KINDS[3]}: group rank {peer} {did} with bucket {theirs} but this "
+                    f"rank used bucket {own} on slot {self.slot}; every rank of an exchange "
+                    f"must use the same bucket ({effect})")
             kind = _ROUTE_KINDS.get(e["route_kind"], "route error")
             raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}, slot {self.slot}); the "
                                   "entry was skipped")
