@@ -25,6 +25,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("CONTROL_BITS") = control_bits;
   m.attr("ALL_ROLE_AWARE") = static_cast<int>(afdep::kAllRoleAware);
   m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
+  m.attr("ROUTE_BUCKET_MISMATCH") = static_cast<int>(afdep::kRouteBucket);
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;
@@ -92,7 +93,9 @@ PYBIND11_MODULE(_cuda, m) {
       .def_property_readonly("ffn_grid", &Comm::ffn_grid)
       .def_property_readonly("attn_grid", &Comm::attn_grid)
       .def_property_readonly("signal_bytes", [](const Comm& c) { return c.layout().signal_bytes; })
-      .def("dispatch", &Comm::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("dispatch", &Comm::dispatch, py::arg("x"), py::arg("x_scales"), py::arg("expert_ids"),
+           py::arg("ids_64"), py::arg("weights"), py::arg("route"), py::arg("T"),
+           py::arg("stream"), py::arg("bucket") = 0, py::call_guard<py::gil_scoped_release>())
       .def("receive", &Comm::receive, py::call_guard<py::gil_scoped_release>())
       .def("reply", &Comm::reply, py::call_guard<py::gil_scoped_release>())
       .def("combine", &Comm::combine, py::call_guard<py::gil_scoped_release>())
@@ -110,6 +113,8 @@ PYBIND11_MODULE(_cuda, m) {
              d["route"] = e.route;
              d["route_kind"] = e.route_kind;
              d["route_bad_id"] = e.route_bad_id;
+             d["route_peer"] = e.route_peer;
+             d["route_own"] = e.route_own;
              return d;
            },
            py::arg("clear") = true)

@@ -65,6 +65,8 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.k = cfg.top_k;
   L.R = L.k < L.El ? L.k : L.El;
   L.C = cfg.capacity;
+  // the count block carries the bucket beside the ahead mode in one int (layout.h)
+  if (L.C > kMaxBucket) throw std::invalid_argument("capacity too large for the CUDA path");
   L.flags = cfg.flags & kAllRoleAware;
   L.timeout_ns = (uint64_t)(cfg.timeout_s * 1e9);
   if (L.k > 32) throw std::invalid_argument("the CUDA path supports top_k <= 32");
@@ -91,13 +93,14 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
     throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
 
   // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | arrive [4] u32 |
-  // ffn [F] | attn [A]
+  // ffn [F] | attn [A] | mismatch [A]
   const size_t o_peer = 0;
   const size_t o_ctr = o_peer + (size_t)L.W * 8;
   const size_t o_arr = o_ctr + (size_t)2 * L.Gmax * 8;
   const size_t o_ffn = o_arr + 4 * 4;
   const size_t o_attn = o_ffn + (size_t)L.F * 4;
-  const size_t ws_bytes = o_attn + (size_t)L.A * 4;
+  const size_t o_mism = o_attn + (size_t)L.A * 4;
+  const size_t ws_bytes = o_mism + (size_t)L.A * 4;
   check(cudaMalloc(&workspace_, ws_bytes), "cudaMalloc(workspace)");
   check(cudaMemset(workspace_, 0, ws_bytes), "cudaMemset(workspace)");
   char* ws = static_cast<char*>(workspace_);
@@ -108,6 +111,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.arrive = reinterpret_cast<unsigned*>(ws + o_arr);
   L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
   L.rank_of_attn = reinterpret_cast<const int*>(ws + o_attn);
+  L.mismatch = reinterpret_cast<int*>(ws + o_mism);
 
   void* eh = nullptr;
   check(cudaHostAlloc(&eh, sizeof(ErrorBlock), cudaHostAllocMapped), "cudaHostAlloc(error block)");
@@ -172,10 +176,12 @@ static void need(bool ok, const char* msg) {
 }
 
 void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids_64,
-                    uint64_t weights, uint64_t route, int T, uint64_t stream) {
+                    uint64_t weights, uint64_t route, int T, uint64_t stream, int bucket) {
   need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
   need(!L_.is_ffn, "dispatch runs on Attention ranks");
   need(T >= 0 && T <= L_.C, "T exceeds capacity_tokens_per_rank");
+  need(bucket == 0 || (bucket >= T && bucket <= L_.C),
+       "bucket must satisfy T <= bucket <= capacity_tokens_per_rank");
   DeviceGuard g(device_);
   const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
   DispatchArgs a{};
@@ -190,7 +196,7 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   a.real_send = 1;
   a.do_recv = all_peers ? 1 : 0;
   a.real_recv = 0;
-  a.bucket = 1;
+  a.bucket = bucket;  // carried in the count blocks; the FFN compares it with its own
   check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
 }
 
@@ -220,6 +226,7 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
   check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
                         reinterpret_cast<cudaStream_t>(stream)), "launch receive");
+  reply_due_ = true;
 }
 
 void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
@@ -240,6 +247,7 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.real_recv = 0;
   check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
                        reinterpret_cast<cudaStream_t>(stream)), "launch reply");
+  reply_due_ = false;
 }
 
 void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {
@@ -316,6 +324,7 @@ ErrorInfo Comm::poll_error(bool clear) {
   volatile ErrorBlock* b = err_host_;
   e.timeout = b->timeout;
   e.route = b->route;
+  e.route_peer = -1;
   if (e.timeout) {
     e.phase = b->timeout_phase;
     e.peer = b->timeout_peer;
@@ -324,6 +333,18 @@ ErrorInfo Comm::poll_error(bool clear) {
   if (e.route) {
     e.route_kind = b->route_kind;
     e.route_bad_id = b->route_bad_id;
+    e.route_peer = b->route_peer;
+    e.route_own = b->route_own;
+    // An FFN's bucket mismatch (found by its receive) is reported once its reply has been
+    // launched: that reply tells the Attention ranks (ReplyStatus) and completes the
+    // exchange, so raising before it would leave them waiting until their timeout.
+    if (e.route_kind == kRouteBucket && L_.is_ffn && reply_due_) {
+      e.route = 0;
+      e.route_kind = 0;
+      e.route_bad_id = 0;
+      e.route_peer = -1;
+      e.route_own = 0;
+    }
   }
   if (clear) {
     if (e.route) {

@@ -85,10 +85,11 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
            nvalid);
 }
 
-// Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows.
+// Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
+// FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
 __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
-                              int lane) {
-  const uint64_t mask = (uint64_t)a.route[t];
+                              int lane, uint64_t bad) {
+  const uint64_t mask = (uint64_t)a.route[t] & ~bad;
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
@@ -149,8 +150,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   if (a.do_send) {
     if (a.real_send) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
-      for (int ai = tid; ai < L.A; ai += blockDim.x)
+      for (int ai = tid; ai < L.A; ai += blockDim.x) {
         s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
+        // This rank's receive took nothing from Attention rank ai (its bucket differed):
+        // tell ai, ahead of this CTA's completion signal (the fence below covers it).
+        const int sb = c == 0 ? L.mismatch[ai] : 0;
+        if (sb != 0) {
+          ReplyStatus* st = reinterpret_cast<ReplyStatus*>(
+              peer_base(L, L.rank_of_attn[ai]) + L.off_reply_status) + L.my_index;
+          st->ffn_bucket = a.bucket;
+          st->sender_bucket = sb;
+          st->seq = n;
+        }
+      }
       __syncthreads();
       if (warp == 0) warp_exclusive_scan(s_tb, L.A, lane);
       __syncthreads();
@@ -237,12 +249,26 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
              ld_cg_i32(reinterpret_cast<const int*>(mine + L.off_comb) +
                        (size_t)((L.flags & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0]) * L.C * L.H / 2));
     if (a.real_recv) {
+      // FFN ranks whose reply of this exchange says the buckets differed (they took nothing
+      // from this rank): one load per lane, after the wait and its fence like the rows.
+      uint64_t bad = 0;
+      for (int f0 = 0; f0 < L.F; f0 += 32) {
+        const int f = f0 + lane;
+        const ReplyStatus* st =
+            reinterpret_cast<const ReplyStatus*>(mine + L.off_reply_status) + f;
+        const bool b = f < L.F && __ldcg(reinterpret_cast<const unsigned long long*>(&st->seq)) ==
+                                      (unsigned long long)n;
+        bad |= (uint64_t)__ballot_sync(kFull, b) << f0;
+        if (b && c == 0 && warp == 0)
+          report_route(L.err, __ldcg(&st->ffn_bucket), kRouteBucket, L.rank_of_ffn[f],
+                       __ldcg(&st->sender_bucket));
+      }
       const int nch = chunks_per_row(a.T, nw, nv);
       const int cv = (nv + nch - 1) / nch;
       for (int u = gw; u < a.T * nch; u += nw) {
         const int h = u % nch, t = u / nch;
         const int v0 = h * cv, v1 = min(nv, v0 + cv);
-        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane);
+        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane, bad);
       }
     }
   }

@@ -187,10 +187,14 @@ __device__ __forceinline__ void report_timeout(ErrorBlock* err, int phase, int p
   }
 }
 
-__device__ __forceinline__ void report_route(ErrorBlock* err, long long bad_id, int kind) {
+// peer/own: kRouteBucket only (the peer's group rank and this rank's bucket); else -1, 0.
+__device__ __forceinline__ void report_route(ErrorBlock* err, long long bad_id, int kind,
+                                             int peer = -1, int own = 0) {
   if (atomicCAS(&err->route_claim, 0, 1) == 0) {
     err->route_bad_id = bad_id;
     err->route_kind = kind;
+    err->route_peer = peer;
+    err->route_own = own;
     __threadfence_system();
     *(volatile int*)&err->route = 1;
     __threadfence_system();

@@ -138,8 +138,10 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo
 // Write this CTA's counts into the count block (rank, c) of each target, then release seq.
 // ahead (early counts: the payload follows): kAheadNone, the counts imply the payload;
 // kAheadChannel, wait for the region's payload flag; kAheadRows, wait for each row's flag.
+// The same word carries the sender's bucket (layout.h kAheadBits; 0: not declared), which
+// the FFN compares with its own.
 __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, const int* s_cnt,
-                               const int* s_ecnt, int ahead) {
+                               const int* s_ecnt, int ahead, int bucket) {
   const int c = blockIdx.x;
   const int ntg = all_peers ? L.W : L.F;
   const int per = L.El + 1;
@@ -160,7 +162,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
     if (f >= 0) v = (e == 0) ? s_cnt[f] : s_ecnt[(size_t)f * L.El + (e - 1)];
     if (e == 0) {
       *reinterpret_cast<int*>(blk + 8) = v;
-      *reinterpret_cast<int*>(blk + 12) = ahead;
+      *reinterpret_cast<int*>(blk + 12) = ahead | (bucket << kAheadBits);
     } else
       reinterpret_cast<int*>(blk + 16)[e - 1] = v;
   }
@@ -190,7 +192,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
   int* s_rb = s_off + El + 1;       // [nreg + 1] first token (receive order) of each region
   int* s_ready = s_rb + nreg + 1;   // [nreg] early counts: region's payload seen complete
-  int* s_ahead = s_ready + nreg;     // [nreg] kAhead*: how the region's payload is flagged
+  int* s_ahead = s_ready + nreg;     // [nreg] kAhead*: how the region's payload is flagged;
+                                     // -1: the sender's bucket differs (region taken empty)
   int* s_maxj = s_ahead + nreg;      // [1] streamed expansion: most tokens in one region
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
@@ -207,13 +210,30 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
           cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
     }
   }
+  // Bucket check (one int per sender CTA): a region whose sender declared another bucket
+  // is taken as empty (no rows, no waits, nothing written for it); CTA 0 records it per
+  // source for the reply (L.mismatch) and reports it once per source (kRouteBucket).
+  int bad = 0;
   for (int g = tid; g < nreg; g += blockDim.x) {
-    s_rb[g] = min(max(blk_count(L, mine, L.rank_of_attn[g / L.S], g % L.S), 0), L.slots);
+    const int sr = L.rank_of_attn[g / L.S];
+    const int count = blk_count(L, mine, sr, g % L.S);
+    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, g % L.S) + 12));
+    const int sb = (int)((unsigned)word >> kAheadBits);
+    const bool differs = sb != 0 && sb != a.bucket;
+    s_rb[g] = differs ? 0 : min(max(count, 0), L.slots);
     s_ready[g] = 0;
-    s_ahead[g] = ld_cg_i32(reinterpret_cast<const int*>(
-                     cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 12));
+    s_ahead[g] = differs ? -1 : (word & kAheadMask);
+    bad |= differs ? 1 : 0;
+    if (c == 0 && g % L.S == 0) {
+      L.mismatch[g / L.S] = differs ? sb : 0;
+      if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
+    }
   }
-  __syncthreads();
+  if (__syncthreads_or(bad)) {  // only on a mismatch: drop the differing regions' counts
+    for (int i = tid; i < nreg * El; i += blockDim.x)
+      if (s_ahead[i / El] < 0) s_tab[i] = 0;
+    __syncthreads();
+  }
   trace_mark(L, kPhaseDispatch, n, kTrTable, -1);
   for (int e = tid; e < El; e += blockDim.x) {
     int run = 0;
@@ -366,13 +386,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const int chunk = (T + L.S - 1) / L.S;
     const int lo = min(T, c * chunk), hi = min(T, lo + chunk);
     const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
+    const int send_bucket = a.real_send ? a.bucket : 0;  // dummy senders declare none
     for (int i = tid; i < L.F + L.E; i += blockDim.x) smem[i] = 0;
     __syncthreads();
     if (count_first) {
       for (int t = lo + warp; t < hi; t += kWarps)
         claim_token(L, a, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
       __syncthreads();
-      publish_counts(L, n, true, s_cnt, s_ecnt, kAheadNone);
+      publish_counts(L, n, true, s_cnt, s_ecnt, kAheadNone, send_bucket);
       // everyone spins until every rank's counts arrived
       bool ok = true;
       for (int i = tid; i < L.W * L.S && ok; i += blockDim.x)
@@ -408,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
     const bool row_flags = ahead && stream;  // else one payload flag per channel
     if (ahead)  // metadata fenced inside
-      publish_counts(L, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel);
+      publish_counts(L, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel,
+                     send_bucket);
     if (row_flags) {
       copy_rows_flagged(L, a, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
@@ -417,7 +439,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       sys_fence_then_sync(L);
     }
     trace_mark(L, kPhaseDispatch, n, kTrCopied, -1);
-    if (!count_first && !ahead) publish_counts(L, n, all_peers, s_cnt, s_ecnt, kAheadNone);
+    if (!count_first && !ahead)
+      publish_counts(L, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
     if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x) {
         fence_acq_rel_sys();

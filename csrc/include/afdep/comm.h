@@ -39,6 +39,7 @@ struct ErrorInfo {
   int timeout, phase, peer, rank;
   int route, route_kind;
   long long route_bad_id;
+  int route_peer, route_own;  // kRouteBucket: the peer's group rank, this rank's bucket
 };
 
 class Comm {
@@ -54,8 +55,10 @@ class Comm {
   const Layout& layout() const { return L_; }
   bool is_ffn() const { return L_.is_ffn != 0; }
 
+  // bucket: the static bucket of this exchange (T <= bucket <= capacity), carried to the FFN
+  // ranks, which refuse another bucket than theirs; 0 declares none (not checked).
   void dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids_64, uint64_t weights,
-                uint64_t route, int T, uint64_t stream);
+                uint64_t route, int T, uint64_t stream, int bucket = 0);
   void receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, uint64_t offsets,
                uint64_t src_rank, uint64_t src_token, uint64_t token_rows, uint64_t token_index,
                uint64_t num_tokens, uint64_t stream);
@@ -70,6 +73,7 @@ class Comm {
   // Probe: `iters` flag round trips with group rank `peer`, who calls it with initiator
   // false (the same iters, in the same order of calls); time it on the initiator's stream.
   void ping(int peer, int iters, bool initiator, uint64_t stream);
+  // A bucket mismatch found by an FFN's receive is held back until its reply is launched.
   ErrorInfo poll_error(bool clear);
   // CommConfig::trace only: [kTraceRing][2][kTracePts] stamps, then CTA 0's counters of both
   // phases (synchronizes the device; empty when tracing is off).
@@ -92,6 +96,7 @@ class Comm {
   ErrorBlock* err_host_ = nullptr;
   void* trace_ = nullptr;
   bool opened_ = false, closed_ = false;
+  bool reply_due_ = false;  // FFN: a receive was launched and its reply not yet
   int ffn_rank0_ = -1;  // group rank of the first FFN rank (the union layout's view source)
 };
 

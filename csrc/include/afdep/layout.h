@@ -98,9 +98,38 @@ struct ErrorBlock {
   int timeout_rank;   // group rank that waited
   int route;          // 1 once a bad expert id (or an overflow) was seen
   int route_claim;
-  int route_kind;     // 0 bad id, 1 more local entries than R, 2 receipt/slot overflow
+  int route_kind;     // 0 bad id, 1 more local entries than R, 2 receipt/slot overflow,
+                      // 3 bucket mismatch (route_bad_id = the peer's bucket)
   long long route_bad_id;
+  int route_peer;     // kind 3: group rank of the peer whose bucket differs (else -1)
+  int route_own;      // kind 3: this rank's bucket (as the exchange saw it)
 };
+
+// Route error kinds (ErrorBlock::route_kind; torch_afdep/transport/cuda.py _ROUTE_KINDS).
+enum RouteKind : int {
+  kRouteBadId = 0,
+  kRouteTooManyLocal = 1,
+  kRouteOverflow = 2,
+  kRouteBucket = 3,  // a sender dispatched with another bucket than the FFN received with
+};
+
+// The count block's word at +12 carries the sender's `ahead` mode (low kAheadBits bits) and
+// its bucket (the rest; 0: not declared, not checked). The FFN takes nothing from a sender
+// whose bucket differs from its own and reports kRouteBucket; its reply then writes a
+// ReplyStatus into that sender's window (below) so the Attention reports it too.
+constexpr int kAheadBits = 2;
+constexpr int kAheadMask = (1 << kAheadBits) - 1;
+constexpr int kMaxBucket = (1 << (31 - kAheadBits)) - 1;
+
+// Written by an FFN rank's reply CTA 0 into Attention rank a's window at
+// off_reply_status + ffn index * 16, only when the FFN took nothing from a because the
+// buckets differed; `seq` is the combine exchange number, so a stale entry never matches.
+struct ReplyStatus {
+  uint64_t seq;
+  int ffn_bucket;     // the FFN's bucket
+  int sender_bucket;  // the bucket the Attention rank dispatched with
+};
+static_assert(sizeof(ReplyStatus) == 16, "ReplyStatus is one 16-byte entry per FFN rank");
 
 struct Layout {
   // world
@@ -122,12 +151,14 @@ struct Layout {
   uint32_t flags;
   uint64_t timeout_ns;
   // window offsets (identical on every rank)
-  int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count, i32 ahead, i32 ecnt[El]}
+  int64_t off_cnt, cnt_stride;  // count blocks [W][S]: {u64 seq, i32 count,
+                                //   i32 ahead | bucket << kAheadBits, i32 ecnt[El]}
   int64_t off_disp_done;        // u64 [W][S]: payload of (src, ch) written (count-first or early)
   int64_t off_comb_done;        // u64 [W]: CTAs of source rank's reply kernels done, summed
   int64_t off_entry;            // u64 [2][W][S]
   int64_t off_exit;             // u64 [2][W][S]
   int64_t off_ping;             // u64: flag ping-pong word (probe.cu: the flag round trip)
+  int64_t off_reply_status;     // ReplyStatus [W] by FFN index: bucket mismatch of a reply
   int64_t off_data;             // start of the data area
   int64_t off_payload, off_scales, off_meta;  // dispatch inbox arrays (FFN, or union)
   int64_t off_rowflag;          // u64 per dispatch slot: its row written (streamed expansion)
@@ -141,6 +172,8 @@ struct Layout {
                                // grids use [phase][0] only
   unsigned* arrive;            // [4] CTAs arrived per launch (sized grids): [phase] at the end,
                                // [2] the reply's completion signal
+  int* mismatch;               // [A] FFN: receive's CTA 0 writes the bucket of each source
+                               // whose bucket differed (else 0); the reply reads it
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
   int debug;                   // AFDEP_DEBUG bits (diagnostics): see kDbg* below
@@ -164,6 +197,8 @@ inline void compute_offsets(Layout& L) {
   L.off_entry = o;      o += 2 * ws * 8;
   L.off_exit = o;       o += 2 * ws * 8;
   L.off_ping = o;       o += 8;
+  o = round_up(o, 16);
+  L.off_reply_status = o;  o += (int64_t)L.W * (int64_t)sizeof(ReplyStatus);
   o = round_up(o, 256);
   L.signal_bytes = o;
   L.off_data = o;

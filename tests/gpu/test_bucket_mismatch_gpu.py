@@ -1,0 +1,193 @@
+"""A bucket mismatch on CUDA is reported on every rank of the exchange, with nothing corrupted.
+
+1A1F (group rank 0 FFN, group rank 1 Attention), both on GPU 0 (needs CUDA MPS, i.e.
+``AFDEP_TEST_SHARED_GPU=1``) or one GPU each when there are two:
+
+1. equal buckets (8 and 8, T = 5): the result matches ``torch_afdep.reference.moe_output``;
+2. Attention bucket 4, FFN bucket 8 (T = 3): the FFN takes nothing from the Attention rank
+   (no rows, zero tokens) and the Attention's result is all zeros (the FFN's reply rows are
+   NaN-poisoned: none may arrive; the previous exchange's rows still sit in the receive
+   buffer: none may be read); both ranks raise ``AfdepRouteError`` naming the bucket mismatch
+   within ``timeout_s`` (the FFN after its reply, the Attention after its collect);
+3. equal buckets again: the buffer still works (sequence numbers stayed in step).
+
+The kernels carry the sender's bucket in its count blocks, the FFN's receive compares it, and
+its reply flags the mismatch back (docs/protocol.md, Errors).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from torch_afdep import env  # noqa: E402
+
+
+def _skip_reason():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        return "needs a CUDA GPU"
+    try:
+        import torch_afdep._cuda  # noqa: F401
+    except Exception as e:  # not built, or a broken build
+        return f"needs the built torch_afdep._cuda extension ({type(e).__name__}: {e})"
+    if torch.cuda.device_count() < 2 and not env.get("AFDEP_TEST_SHARED_GPU"):
+        return ("both ranks share GPU 0: needs CUDA MPS (AFDEP_TEST_SHARED_GPU=1) or 2 GPUs")
+    return None
+
+
+TIMEOUT_S = 10.0
+BASE = dict(capacity_tokens_per_rank=16, hidden_size=256, num_experts=8, top_k=2, ffn_ranks=1,
+            attention_ranks=1, num_sms=4, local_sms=8, num_slots=1, timeout_s=TIMEOUT_S)
+# (tokens, Attention bucket, FFN bucket) of the three exchanges: equal, mismatched, equal
+EXCHANGES = [(5, 8, 8), (3, 4, 8), (5, 8, 8)]
+# Every receive path checks the bucket: id -> (environment, Config changes, exchanges)
+CASES = {
+    "role_aware": ({}, {}, EXCHANGES),
+    "symmetric": ({"AFDEP_SYMMETRIC": "1"}, {}, EXCHANGES),
+    # the Attention's bucket larger than the FFN's (T fits both)
+    "attention_larger": ({}, {}, [(5, 8, 8), (3, 8, 4), (5, 8, 8)]),
+    # early counts: one channel holding >= 32 KB but < 16 tokens (counts ahead, payload flag)
+    "early_counts": ({}, dict(hidden_size=4096, num_sms=1),
+                     [(5, 8, 8), (5, 6, 8), (5, 8, 8)]),
+    # streamed expansion: one channel with >= 48 tokens and >= 32 KB (a flag per row)
+    "stream_expansion": ({}, dict(capacity_tokens_per_rank=128, hidden_size=1024, num_sms=1),
+                         [(64, 128, 128), (64, 64, 128), (64, 128, 128)]),
+    "sized_grid": ({"AFDEP_SIZED_GRID": "1"}, {}, EXCHANGES),
+    "pdl": ({"AFDEP_PDL": "1"}, {}, EXCHANGES),
+    "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
+}
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+       "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _expert(cfg):
+    return lambda e, rows: rows * (1.0 + e / cfg.num_experts)
+
+
+def _ffn_rows(cfg, received, poison: bool):
+    """The FFN's reply rows: ``_expert`` times the routing weight (NaN everywhere if poison)."""
+    x = received.x.to(torch.float64)
+    rows = torch.full(x.shape, float("nan"), dtype=torch.float64, device=x.device)
+    if not poison:
+        offs = received.expert_offsets.tolist()
+        for e in range(cfg.experts_per_rank):
+            lo, hi = offs[e], offs[e + 1]
+            if hi > lo:
+                rows[lo:hi] = x[lo:hi] * (1.0 + e / cfg.num_experts)
+        n = offs[-1]
+        rows[:n] *= received.weights[:n].to(torch.float64)[:, None]
+    return rows.to(torch.bfloat16)
+
+
+def _raise_pending(buf):
+    """Raise the device's pending error of every slot (no synchronization inside)."""
+    for t in buf.transports:
+        t.check_error()
+
+
+def _error_after(buf, deadline):
+    """The AfdepRouteError the device reported, polled until ``deadline`` (monotonic)."""
+    from torch_afdep.errors import AfdepRouteError
+
+    while True:
+        torch.cuda.synchronize()
+        try:
+            _raise_pending(buf)
+        except AfdepRouteError as e:
+            return e
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _body(rank, world, cfg_kw, exchanges):
+    import torch_afdep
+    from torch_afdep import Config
+    from torch_afdep import reference as ref
+
+    cfg = Config(**cfg_kw)
+    buf = torch_afdep.Buffer(None, cfg, device="cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    is_ffn = rank < cfg.ffn_ranks
+    rec = {"rank": rank, "role": "ffn" if is_ffn else "attention", "exchanges": []}
+    try:
+        for i, (tokens, bucket_a, bucket_f) in enumerate(exchanges):
+            mismatch = bucket_a != bucket_f
+            x = {"index": i}
+            t0 = time.monotonic()
+            if is_ffn:
+                received = buf.worker_receive(bucket_f)
+                torch.cuda.synchronize()
+                x["rows"] = int(received.expert_offsets[-1].item())
+                x["offsets_zero"] = bool((received.expert_offsets == 0).all().item())
+                x["num_tokens"] = received.receipt.num_tokens.tolist()
+                buf.worker_reply(_ffn_rows(cfg, received, poison=mismatch), received.receipt)
+            else:
+                inp = ref.make_inputs(cfg, tokens, seed=100 + i)
+                buf.source_dispatch(inp.x.to(dev), inp.expert_ids.to(dev),
+                                    inp.weights.to(dev), bucket_a)
+                out = buf.source_collect()
+                torch.cuda.synchronize()
+                o = out.cpu().to(torch.float64)
+                x["finite"] = bool(torch.isfinite(o).all().item())
+                x["all_zero"] = bool((o == 0).all().item())
+                x["shape"] = tuple(out.shape)
+                if not mismatch:
+                    want = ref.moe_output(cfg, inp.x, inp.expert_ids, inp.weights, _expert(cfg))
+                    x["rel_err"] = ref.relative_error(o, want)
+            err = _error_after(buf, t0 + TIMEOUT_S) if mismatch else None
+            if not mismatch:
+                torch.cuda.synchronize()
+                _raise_pending(buf)  # nothing may be pending after an exchange that matched
+            x["elapsed"] = time.monotonic() - t0
+            x["error"] = None if err is None else str(err)
+            x["error_is_value_error"] = isinstance(err, ValueError)
+            if err is not None:
+                _raise_pending(buf)  # reported once (cleared): nothing more pending
+            rec["exchanges"].append(x)
+    finally:
+        buf.close()
+    return rec
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bucket_mismatch_reported_on_both_roles(case):
+    why = _skip_reason()
+    if why:
+        pytest.skip(why)
+    from torch_afdep.testing import spawn_world
+
+    env_extra, changes, exchanges = CASES[case]
+    cfg_kw = {**BASE, **changes}
+    hidden = cfg_kw["hidden_size"]
+    devs = [0, 1] if torch.cuda.device_count() >= 2 else [0, 0]
+    ffn, attn = spawn_world(_body, 2, cfg_kw, exchanges, device_ids=devs,
+                            env={**ENV, **env_extra}, timeout=240.0)
+    assert ffn["role"] == "ffn" and attn["role"] == "attention"
+
+    for i in (0, 2):  # equal buckets: correct, and no error
+        f, a = ffn["exchanges"][i], attn["exchanges"][i]
+        assert f["error"] is None and a["error"] is None, (f, a)
+        assert f["rows"] > 0 and f["num_tokens"] == [exchanges[i][0]], f
+        assert a["finite"] and a["shape"] == (exchanges[i][0], hidden), a
+        assert a["rel_err"] < 1.5e-2, a
+
+    f, a = ffn["exchanges"][1], attn["exchanges"][1]
+    _, bucket_a, bucket_f = exchanges[1]
+    # the FFN took nothing from the Attention rank
+    assert f["offsets_zero"] and f["rows"] == 0 and f["num_tokens"] == [0], f
+    # the Attention got zeros: neither the poisoned reply rows nor exchange 1's stale rows
+    assert a["finite"] and a["all_zero"] and a["shape"] == (exchanges[1][0], hidden), a
+    # both ranks raised AfdepRouteError (a ValueError) naming the mismatch, within timeout_s
+    for r, theirs, mine, peer in ((f, bucket_a, bucket_f, 1), (a, bucket_f, bucket_a, 0)):
+        assert r["error"] is not None, r
+        assert r["error_is_value_error"], r
+        assert "bucket mismatch" in r["error"], r
+        assert f"group rank {peer} " in r["error"], r
+        assert f"with bucket {theirs} but this rank used bucket {mine}" in r["error"], r
+        assert "slot 0" in r["error"], r
+        assert r["elapsed"] < TIMEOUT_S, r
