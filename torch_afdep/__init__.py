@@ -9,7 +9,7 @@ backend ``"afdep"`` is registered on import. Contract: docs/contract.md.
 from .config import ATTENTION, FFN, Config, parse_layout, parse_roles
 from .errors import (AfdepBucketError, AfdepError, AfdepPeerLostError, AfdepRouteError,
                      AfdepStateError, AfdepTimeoutError)
-from .types import Receipt, Received
+from .types import Receipt, Received, TokenReceipt, TokenReceived
 from .functional import afd_combine, afd_dispatch, afd_receive, afd_reply
 from .buffer import Buffer
 
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION", "FFN", "Config", "parse_roles", "parse_layout", "Buffer", "Received", "Receipt",
+    "TokenReceived", "TokenReceipt",
     "afd_dispatch", "afd_combine", "afd_receive", "afd_reply",
     "AfdepError", "AfdepRouteError", "AfdepStateError", "AfdepTimeoutError",
     "AfdepPeerLostError", "AfdepBucketError",

@@ -11,10 +11,10 @@ from . import ops  # noqa: F401  (registers torch.ops.afdep.*)
 from . import registry, validate
 from .config import ATTENTION, FFN, Config
 from .errors import AfdepError, AfdepStateError, AfdepTimeoutError
-from .functional import package
+from .functional import receive, reply
 from .slots import Slots
 from .transport import make_transport
-from .types import Receipt, Received
+from .types import Receipt, TokenReceipt
 
 
 class Buffer:
@@ -145,7 +145,7 @@ class Buffer:
         all_ = self._gather_bounded(mine)
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
                  "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots",
-                 "local_sms")
+                 "local_sms", "receive_layout")
         for r, other in enumerate(all_):
             if other[0] != all_[0][0]:
                 diffs = [f"{n}: {a!r} on rank 0 vs {b!r} on rank {r}"
@@ -263,31 +263,41 @@ class Buffer:
         return out
 
     # ---- FFN ranks --------------------------------------------------------------------------
-    def worker_receive(self, bucket: int, *, slot: int = 0) -> Received:
-        """Receive every Attention rank's tokens of ``slot``, expanded into expert-major rows.
+    def worker_receive(self, bucket: int, *, slot: int = 0):
+        """Receive every Attention rank's tokens of ``slot``.
 
         Arguments:
             bucket: the bucket every Attention rank dispatched with.
             slot: micro-batch slot; its previous exchange must have been replied to.
         Returns:
-            a ``Received`` (x [A*bucket*R, H], x_scales, weights, expert_offsets, src_rank,
-            src_token; shapes and dtypes in ``torch_afdep.types.Received``) whose ``receipt``
-            goes to ``worker_reply``.
+            expert layout: a ``Received`` (x [A*bucket*R, H] grouped by local expert,
+            x_scales, weights [A*bucket*R], expert_offsets [E_local+1], src_rank, src_token);
+            token layout: a ``TokenReceived`` (x [N, H] a view of the receive window,
+            x_scales, expert_ids [N, k] int32 local ids or -1, weights [N, k] float32,
+            src_rank, src_token, num_tokens), N = ``Config.token_rows(bucket)``. Shapes and
+            dtypes in ``torch_afdep.types``. Its ``receipt`` goes to ``worker_reply``.
         """
         self._slots.require_role(FFN, "worker_receive")
         validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
-        outs = self._run(torch.ops.afdep.receive, self.state, self.group_name,
-                         self.buffer_id, bucket, slot)
-        return package(self._slots, bucket, outs, self._slots.sequence(slot), slot)
+        return self._run(self._receive, bucket, slot)
+
+    def _receive(self, bucket: int, slot: int):
+        out = receive(self._slots, bucket, slot, 0)
+        # stamp the receive count the op just advanced (stale receipts are refused)
+        seq = self._slots.sequence(slot)
+        return out._replace(receipt=out.receipt._replace(sequence=seq))
 
     def worker_reply(self, rows: torch.Tensor, receipt: Receipt, *,
                      slot: Optional[int] = None) -> None:
         """Send the caller's expert outputs back, one fp32-summed BF16 row per token.
 
         Arguments:
-            rows: [A*bucket*R, H] bfloat16, row i = expert output of Received.x[i] already
-                multiplied by Received.weights[i]; rows past expert_offsets[-1] are ignored.
-            receipt: ``Received.receipt`` of the slot's current exchange.
+            rows: expert layout: [A*bucket*R, H] bfloat16, row i = expert output of
+                Received.x[i] already multiplied by Received.weights[i] (rows past
+                expert_offsets[-1] are ignored); token layout: [N, H] bfloat16, row i = the
+                sum over token i's local experts of weight * expert output (the caller's MoE
+                output; rows without a token are ignored).
+            receipt: the receipt of the slot's current exchange.
             slot: defaults to the receipt's slot; when given it must be the receipt's.
         Returns:
             None.
@@ -296,7 +306,7 @@ class Buffer:
         if slot is not None:
             self.config.check_slot(validate.check_int("slot", slot))
         # Out of order first: a reply with nothing received is that, whatever it carries.
-        self._slots.expect(receipt.slot if isinstance(receipt, Receipt) else
+        self._slots.expect(receipt.slot if isinstance(receipt, (Receipt, TokenReceipt)) else
                            (slot or 0), "reply")
         slot = validate.receipt(self.config, self._slots.key, receipt, slot)
         validate.python_types(tensors=(("rows", rows),))
@@ -304,9 +314,7 @@ class Buffer:
             raise AfdepStateError(
                 f"stale receipt: it is from exchange {receipt.sequence}, the current one is "
                 f"{self._slots.sequence(slot)} (slot {slot})")
-        self._run(torch.ops.afdep.reply, self.state, rows, receipt.token_rows,
-                  receipt.token_index, receipt.num_tokens, self.group_name, self.buffer_id,
-                  slot)
+        self._run(reply, self._slots, rows, receipt, slot)
 
     # ---- lifecycle --------------------------------------------------------------------------
     @property

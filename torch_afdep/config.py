@@ -23,6 +23,9 @@ MAX_FFN_RANKS = 64
 #: Most exchanges (micro-batch slots) one buffer can have in flight.
 MAX_SLOTS = 16
 
+#: What an FFN rank receives: expert-major rows, or one row per token.
+RECEIVE_LAYOUTS = ("experts", "tokens")
+
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -59,6 +62,11 @@ class Config:
             (``AFDEP_WIDE_LOCAL`` and the controls it builds on); otherwise those kernels use
             ``num_sms`` too.
         timeout_s: a receiver that waits longer than this raises, naming the peer and phase.
+        receive_layout: what an FFN rank receives, fixed per buffer: ``"experts"`` (each
+            token expanded into one row per local expert, grouped by expert; the reply sums
+            them) or ``"tokens"`` (one row per token, a zero-copy view of the receive window,
+            with the token's local expert ids and weights in the source's column order; the
+            reply takes one row per token). docs/contract.md.
         num_slots: independent exchanges (micro-batches) a buffer can have in flight at once,
             selected per call with ``slot=``; each slot has its own transport state and
             memory (CUDA memory scales with it). 1..MAX_SLOTS.
@@ -76,6 +84,7 @@ class Config:
     timeout_s: float = 100.0
     num_slots: int = 2
     local_sms: int = 0
+    receive_layout: str = "experts"
 
     def __post_init__(self) -> None:
         _check_int("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
@@ -87,6 +96,9 @@ class Config:
         _check_int("num_sms", self.num_sms, 1, 1024)
         _check_int("num_slots", self.num_slots, 1, MAX_SLOTS)
         _check_int("local_sms", self.local_sms, 0, 1024)
+        if self.receive_layout not in RECEIVE_LAYOUTS:
+            raise ValueError(f"receive_layout must be one of {', '.join(RECEIVE_LAYOUTS)}, "
+                             f"got {self.receive_layout!r}")
         if self.num_experts % self.ffn_ranks != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by ffn_ranks "
@@ -167,6 +179,18 @@ class Config:
         """Capacity of an FFN rank's expert-major rows for ``bucket``: A * bucket * R."""
         return self.attention_ranks * bucket * self.rows_per_token
 
+    def rows_per_source(self, bucket: int) -> int:
+        """Token layout: rows an FFN rank holds per Attention rank for ``bucket``,
+        S * ceil(bucket / S) with S = num_sms (each of the S sending channels owns an equal
+        share of the rows, so a view of the receive window needs no compaction)."""
+        s = self.num_sms
+        return s * ((bucket + s - 1) // s)
+
+    def token_rows(self, bucket: int) -> int:
+        """Token layout: N, the static row count of an FFN rank's receive for ``bucket``:
+        A * rows_per_source(bucket); rows that hold no token have every expert id -1."""
+        return self.attention_ranks * self.rows_per_source(bucket)
+
     def check_slot(self, slot: int) -> int:
         return _check_int("slot", slot, 0, self.num_slots - 1)
 
@@ -193,6 +217,7 @@ class Config:
             self.num_sms,
             self.num_slots,
             self.local_sms,
+            self.receive_layout,
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.afdep.*)
 from . import registry, validate
 from .config import FFN
-from .types import Receipt, Received
+from .types import Receipt, Received, TokenReceipt, TokenReceived
 
 
 def _group_name(group) -> str:
@@ -85,8 +85,37 @@ def package(slots, bucket: int, outs, sequence: int, slot: int) -> Received:
                     src_rank, src_token, receipt)
 
 
+def package_tokens(slots, bucket: int, outs, sequence: int, slot: int) -> TokenReceived:
+    """The seven outputs of ``afdep::receive_tokens`` as a ``TokenReceived``."""
+    x, x_scales, ids, w, src_rank, src_token, num = outs
+    receipt = TokenReceipt(src_token, num, sequence, bucket, slots.key, slot)
+    return TokenReceived(x, x_scales if slots.config.scale_cols else None, ids, w, src_rank,
+                         src_token, num, receipt)
+
+
+def receive(slots, bucket: int, slot: int, sequence: int):
+    """The receive op of the buffer's layout, packaged (both APIs call this)."""
+    if slots.config.receive_layout == "tokens":
+        outs = torch.ops.afdep.receive_tokens(slots.state, slots.group_name, slots.buffer_id,
+                                              bucket, slot)
+        return package_tokens(slots, bucket, outs, sequence, slot)
+    outs = torch.ops.afdep.receive(slots.state, slots.group_name, slots.buffer_id, bucket,
+                                   slot)
+    return package(slots, bucket, outs, sequence, slot)
+
+
+def reply(slots, rows, receipt, slot: int) -> torch.Tensor:
+    """The reply op of the buffer's layout (both APIs call this)."""
+    if slots.config.receive_layout == "tokens":
+        return torch.ops.afdep.reply_tokens(slots.state, rows, receipt.src_token,
+                                            receipt.num_tokens, slots.group_name,
+                                            slots.buffer_id, slot)
+    return torch.ops.afdep.reply(slots.state, rows, receipt.token_rows, receipt.token_index,
+                                 receipt.num_tokens, slots.group_name, slots.buffer_id, slot)
+
+
 def afd_receive(*, group=None, bucket: int, buffer_id: Optional[int] = None,
-                sequence: int = 0, slot: int = 0) -> Received:
+                sequence: int = 0, slot: int = 0):
     """FFN: receive every Attention rank's tokens of ``slot``, expanded expert-major.
 
     Arguments:
@@ -96,14 +125,12 @@ def afd_receive(*, group=None, bucket: int, buffer_id: Optional[int] = None,
             count, so the caller may pass its own step number or leave 0).
         slot: micro-batch slot.
     Returns:
-        a ``Received`` (shapes in ``torch_afdep.types.Received``); its ``receipt`` goes to
-        ``afd_reply``.
+        a ``Received`` (expert layout) or a ``TokenReceived`` (token layout; shapes in
+        ``torch_afdep.types``); its ``receipt`` goes to ``afd_reply``.
     """
     slots = _slots(group, buffer_id)
     validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
-    outs = torch.ops.afdep.receive(slots.state, slots.group_name, slots.buffer_id, bucket,
-                                   slot)
-    return package(slots, bucket, outs, sequence, slot)
+    return receive(slots, bucket, slot, sequence)
 
 
 def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
@@ -111,10 +138,11 @@ def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
     """FFN: send each token's expert outputs back, one fp32-summed BF16 row per token.
 
     Arguments:
-        rows: [A*bucket*R, H] bfloat16; row i is the expert output of ``Received.x[i]``
-            already multiplied by ``Received.weights[i]``; rows past ``expert_offsets[-1]``
-            are ignored.
-        receipt: ``Received.receipt`` of the exchange; ``slot``, when given, must be its slot.
+        rows: expert layout: [A*bucket*R, H] bfloat16, row i the expert output of
+            ``Received.x[i]`` already multiplied by ``Received.weights[i]`` (rows past
+            ``expert_offsets[-1]`` are ignored); token layout: [N, H] bfloat16, row i the
+            weighted sum of token i's local expert outputs (rows without a token ignored).
+        receipt: the receipt of the exchange; ``slot``, when given, must be its slot.
     Returns:
         an empty [0] int32 dependency token.
     """
@@ -122,8 +150,7 @@ def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
     slots.require_role(FFN, "afd_reply")
     slot = validate.receipt(slots.config, slots.key, receipt, slot)
     validate.python_types(tensors=(("rows", rows),))
-    return torch.ops.afdep.reply(slots.state, rows, receipt.token_rows, receipt.token_index,
-                                 receipt.num_tokens, slots.group_name, slots.buffer_id, slot)
+    return reply(slots, rows, receipt, slot)
 
 
 __all__ = ["afd_dispatch", "afd_combine", "afd_receive", "afd_reply"]

@@ -11,6 +11,10 @@ Schemas (docs/contract.md):
         -> Tensor[9]
     afdep::reply(Tensor(a!) state, Tensor rows, Tensor token_rows, Tensor token_index,
                  Tensor num_tokens, str group_name, int buffer_id, int slot) -> Tensor
+    afdep::receive_tokens(Tensor(a!) state, str group_name, int buffer_id, int bucket,
+                          int slot) -> Tensor[7]                      (token layout)
+    afdep::reply_tokens(Tensor(a!) state, Tensor rows, Tensor src_token, Tensor num_tokens,
+                        str group_name, int buffer_id, int slot) -> Tensor (token layout)
 
 Each real kernel finds the buffer's ``slots.Slots`` from ``(group_name, buffer_id)``, lets
 it check the slot's phase (``begin``), runs that slot's transport on the current stream and
@@ -195,6 +199,82 @@ def reply(
 
 @reply.register_fake
 def _(state, rows, token_rows, token_index, num_tokens, group_name, buffer_id, slot):
+    registry.lookup(group_name, buffer_id)
+    return rows.new_empty((0,), dtype=torch.int32)
+
+
+# ---- the token layout (FFN; Config(receive_layout="tokens")) ------------------------------
+def token_outputs(cfg: Config, bucket: int, empty) -> Tuple[torch.Tensor, ...]:
+    """The token receive's outputs, each made by ``empty(shape, dtype)``."""
+    n, k, i32 = cfg.token_rows(bucket), cfg.top_k, torch.int32
+    return (
+        empty((n, cfg.hidden_size), cfg.dtype),       # x (a view of the window)
+        empty((n, cfg.scale_cols), torch.float32),    # x_scales (a view of the window)
+        empty((n, k), i32),                           # expert_ids
+        empty((n, k), torch.float32),                 # weights
+        empty((n,), i32),                             # src_rank
+        empty((n,), i32),                             # src_token
+        empty((cfg.attention_ranks,), i32),           # num_tokens
+    )
+
+
+@torch.library.custom_op("afdep::receive_tokens", mutates_args=("state",))
+def receive_tokens(state: torch.Tensor, group_name: str, buffer_id: int, bucket: int,
+                   slot: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FFN, token layout: receive every Attention rank's tokens, one row per token.
+
+    Returns (N = Config.token_rows(bucket), A = attention_ranks, k = top_k):
+        x [N, H] payload dtype and x_scales [N, H/128 or 0] float32, views of the receive
+        window (valid until this slot's reply); expert_ids [N, k] int32 (local ids in the
+        source's column order, -1 elsewhere; rows without a token all -1); weights [N, k]
+        float32 (0 where the id is -1); src_rank [N] int32, src_token [N] int32 (-1: no
+        token); num_tokens [A] int32.
+    """
+    slots = registry.lookup(group_name, buffer_id)
+    transport = slots.begin(slot, "receive")
+    validate.receive_args(slots.config, bucket)
+    device = slots.device
+    _, _, ids, w, src_rank, src_token, num = token_outputs(
+        slots.config, bucket, lambda shape, dtype: torch.empty(shape, dtype=dtype,
+                                                               device=device))
+    x, x_scales = transport.receive_tokens(bucket, ids, w, src_rank, src_token, num)
+    slots.end(slot, "receive", state)
+    return x, x_scales, ids, w, src_rank, src_token, num
+
+
+@receive_tokens.register_fake
+def _(state, group_name, buffer_id, bucket, slot):
+    slots = registry.lookup(group_name, buffer_id)
+    device = slots.device
+    bucket = min(max(int(bucket), 1), slots.config.capacity_tokens_per_rank)
+    return token_outputs(slots.config, bucket,
+                         lambda shape, dtype: state.new_empty(shape, dtype=dtype,
+                                                              device=device))
+
+
+@torch.library.custom_op("afdep::reply_tokens", mutates_args=("state",))
+def reply_tokens(state: torch.Tensor, rows: torch.Tensor, src_token: torch.Tensor,
+                 num_tokens: torch.Tensor, group_name: str, buffer_id: int, slot: int
+                 ) -> torch.Tensor:
+    """FFN, token layout: send each row back as its token's reply (no reduction here).
+
+    Arguments:
+        rows: [N, H] bfloat16, row i = the weighted sum of token i's local expert outputs.
+        src_token: [N] int32; num_tokens: [A] int32 (from receive_tokens on the same slot).
+    Returns:
+        an empty [0] int32 dependency token.
+    """
+    slots = registry.lookup(group_name, buffer_id)
+    transport = slots.begin(slot, "reply")
+    validate.token_reply_tensors(slots.config, slots.device, rows, src_token, num_tokens)
+    transport.reply_tokens(rows, src_token, num_tokens)
+    slots.end(slot, "reply", state)
+    return torch.empty(0, dtype=torch.int32, device=rows.device)
+
+
+@reply_tokens.register_fake
+def _(state, rows, src_token, num_tokens, group_name, buffer_id, slot):
     registry.lookup(group_name, buffer_id)
     return rows.new_empty((0,), dtype=torch.int32)
 

@@ -56,4 +56,52 @@ class Received(NamedTuple):
     receipt: Receipt
 
 
-__all__ = ["Receipt", "Received"]
+class TokenReceipt(NamedTuple):
+    """What ``worker_reply`` / ``afd_reply`` need to send the token layout's rows back.
+
+    Attributes:
+        src_token: [N] int32, the source token index of each row (-1: no token).
+        num_tokens: [A] int32, tokens received from Attention index a.
+        sequence, bucket, buffer_key, slot: as in ``Receipt``.
+    """
+
+    src_token: torch.Tensor
+    num_tokens: torch.Tensor
+    sequence: int
+    bucket: int
+    buffer_key: Tuple[str, int]
+    slot: int = 0
+
+
+class TokenReceived(NamedTuple):
+    """An FFN rank's inputs for one exchange in the token layout
+    (``Config(receive_layout="tokens")``): one row per token that reached this rank
+    (deduplicated), N = ``Config.token_rows(bucket)`` rows, static.
+
+    Attributes:
+        x: [N, H] payload dtype, a view of the receive window (no copy): valid until the
+            reply of this slot; read it, never write it.
+        x_scales: [N, H/128] float32 view (FP8) or None (BF16).
+        expert_ids: [N, k] int32, the token's ids in the source's column order, as local ids
+            in [0, E_local) for experts on this rank and -1 for every other column (ids of
+            other ranks, -1 ids, repeats after the first occurrence). Rows that hold no token
+            have every id -1 (and unspecified payload).
+        weights: [N, k] float32, the source's routing weight of each column with a local id,
+            0 elsewhere.
+        src_rank: [N] int32, source group rank of each row (-1: no token).
+        src_token: [N] int32, source token index of each row (-1: no token).
+        num_tokens: [A] int32, tokens received from each Attention index.
+        receipt: pass it to ``worker_reply`` with rows [N, H] bfloat16.
+    """
+
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    num_tokens: torch.Tensor
+    receipt: TokenReceipt
+
+
+__all__ = ["Receipt", "Received", "TokenReceipt", "TokenReceived"]

@@ -13,7 +13,7 @@ import torch
 from . import env
 from .config import Config
 from .errors import AfdepRouteError
-from .types import Receipt
+from .types import Receipt, TokenReceipt
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -122,8 +122,10 @@ def receipt(config: Config, buffer_key, receipt, slot: Optional[int]) -> int:
     torch reports them as a tracing error (docs/contract.md)."""
     from .errors import AfdepStateError
 
-    if not isinstance(receipt, Receipt):
-        raise TypeError(f"receipt must be the Receipt from worker_receive, got "
+    want = TokenReceipt if config.receive_layout == "tokens" else Receipt
+    if not isinstance(receipt, want):
+        raise TypeError(f"receipt must be the {want.__name__} from worker_receive "
+                        f"(receive_layout={config.receive_layout!r}), got "
                         f"{type(receipt).__name__}")
     if slot is not None:
         config.check_slot(check_int("slot", slot))
@@ -147,4 +149,20 @@ def reply_tensors(config: Config, device: torch.device, rows, token_rows, token_
     check_tensor("rows", rows, (torch.bfloat16,), (config.recv_rows(b), config.hidden_size),
                  device)
     check_tensor("receipt.token_rows", token_rows, (torch.int32,), (a, b, r), device)
+    check_tensor("receipt.num_tokens", num_tokens, (torch.int32,), (a,), device)
+
+
+def token_reply_tensors(config: Config, device: torch.device, rows, src_token,
+                        num_tokens) -> None:
+    """The tensors of a token-layout reply: rows [N, H] bfloat16 with N =
+    ``config.token_rows(bucket)`` for some bucket, the receipt's src_token [N] int32 and
+    num_tokens [A] int32."""
+    check_tensor("rows", rows, (torch.bfloat16,), (None, config.hidden_size), device)
+    n = rows.shape[0]
+    a = config.attention_ranks
+    if n % a or n // a % config.num_sms or not 0 < n <= config.token_rows(
+            config.capacity_tokens_per_rank):
+        raise ValueError(f"rows must have Config.token_rows(bucket) rows (A * num_sms * "
+                         f"ceil(bucket / num_sms)) for the receipt's bucket, got {n}")
+    check_tensor("receipt.src_token", src_token, (torch.int32,), (n,), device)
     check_tensor("receipt.num_tokens", num_tokens, (torch.int32,), (a,), device)

@@ -53,6 +53,17 @@ class Transport(Protocol):
               num_tokens: torch.Tensor) -> None:
         """Sum each token's rows [A*bucket*R, H] bfloat16 in fp32 and send one row back."""
 
+    def receive_tokens(self, bucket: int, expert_ids: torch.Tensor, weights: torch.Tensor,
+                       src_rank: torch.Tensor, src_token: torch.Tensor,
+                       num_tokens: torch.Tensor):
+        """Token layout: wait for every Attention rank's tokens, write the metadata outputs
+        (shapes: ``ops.receive_tokens``) and return (x [N, H], x_scales [N, H/128 or 0])
+        views of the receive window."""
+
+    def reply_tokens(self, rows: torch.Tensor, src_token: torch.Tensor,
+                     num_tokens: torch.Tensor) -> None:
+        """Token layout: send row i of rows [N, H] bfloat16 back as its token's reply."""
+
     # ---- errors and lifecycle -------------------------------------------------------------
     def check_error(self) -> None:
         """Raise what the device reported since the last call (AfdepTimeoutError,

@@ -35,8 +35,8 @@ from ..validate import check_expert_id_values
 from .base import Transport
 
 _TAG_BASE = 0x5AF0
-_TAGS_PER_SLOT = 4
-_DISPATCH_HEADER, _DISPATCH_BLOB, _COMBINE = 0, 1, 2
+_TAGS_PER_SLOT = 6
+_DISPATCH_HEADER, _DISPATCH_BLOB, _COMBINE, _PAYLOAD, _SCALES = 0, 1, 2, 3, 4
 _OK, _BUCKET_MISMATCH = 0, 1  # combine status
 
 
@@ -77,6 +77,9 @@ class CpuTransport(Transport):
         self._tag0 = tag_base(buffer_id, slot)
         self._pending: List = []
         self._bucket = 0  # the last dispatch's bucket (named by a mismatch in combine)
+        self._peer_buckets: List[int] = []  # FFN: the senders' buckets of this exchange
+        self._token_window: Optional[torch.Tensor] = None  # token layout (FFN)
+        self._scale_window: Optional[torch.Tensor] = None
         self._view: Optional[torch.Tensor] = None  # combine_view's [C, H] result buffer
         self._timeout = datetime.timedelta(seconds=float(config.timeout_s))
         h, s = config.hidden_size, config.scale_cols
@@ -151,6 +154,9 @@ class CpuTransport(Transport):
         self._bucket = bucket
         self._finish_sends()
         route.copy_(ref.route_mask(cfg, expert_ids))
+        if cfg.receive_layout == "tokens":
+            self._dispatch_tokens(x, expert_ids, weights, x_scales, bucket)
+            return
         for f, peer in enumerate(cfg.ffn_group_ranks):
             local_ids, local_w, hits = local_routes(cfg, expert_ids, weights, f)
             toks = hits.nonzero().flatten()
@@ -168,6 +174,28 @@ class CpuTransport(Transport):
             blob = torch.cat(parts, dim=1).contiguous()
             assert blob.shape[1] == self._token_bytes
             self._isend(blob, peer, _DISPATCH_BLOB, "dispatch")
+
+    def _dispatch_tokens(self, x, expert_ids, weights, x_scales, bucket: int) -> None:
+        """Token layout: per FFN rank the payload rows and the scales as messages of their
+        own (the FFN receives them straight into its window), then a metadata blob of
+        [n, 4 + 8k] bytes: source token index, the k local ids (-1 elsewhere) and weights."""
+        cfg = self.config
+        for f, peer in enumerate(cfg.ffn_group_ranks):
+            lid = ref.local_expert_ids(expert_ids, f, cfg.experts_per_rank)
+            toks = (lid >= 0).any(dim=1).nonzero().flatten()
+            n = int(toks.numel())
+            self._isend(torch.tensor([n, bucket], dtype=torch.int64), peer, _DISPATCH_HEADER,
+                        "dispatch")
+            if n == 0:
+                continue
+            self._isend(x[toks].contiguous().view(torch.uint8), peer, _PAYLOAD, "dispatch")
+            if cfg.scale_cols:
+                self._isend(x_scales[toks].contiguous(), peer, _SCALES, "dispatch")
+            ids = lid[toks].to(torch.int32)
+            w = torch.where(ids >= 0, weights[toks].to(torch.float32), 0.0)
+            blob = torch.cat([toks.to(torch.int32)[:, None].view(torch.uint8),
+                              ids.view(torch.uint8), w.view(torch.uint8)], dim=1)
+            self._isend(blob.contiguous(), peer, _DISPATCH_BLOB, "dispatch")
 
     def combine(self, route, out) -> None:
         cfg = self.config
@@ -208,27 +236,13 @@ class CpuTransport(Transport):
         cfg = self.config
         self._finish_sends()
         a_ranks = cfg.attention_group_ranks
-        headers = [torch.zeros(2, dtype=torch.int64) for _ in a_ranks]
-        works = [self._irecv(hd, peer, _DISPATCH_HEADER) for hd, peer in zip(headers, a_ranks)]
-        for w, peer in zip(works, a_ranks):
-            self._wait(w, peer, "dispatch")
-        counts = [int(hd[0]) for hd in headers]
-        buckets = [int(hd[1]) for hd in headers]
+        counts = self._headers(bucket)
         blobs = [torch.empty(n, self._token_bytes, dtype=torch.uint8) for n in counts]
         works = [(self._irecv(b, peer, _DISPATCH_BLOB), peer)
                  for b, peer, n in zip(blobs, a_ranks, counts) if n > 0]
         for w, peer in works:
             self._wait(w, peer, "dispatch")
-        bad = [(peer, b) for peer, b in zip(a_ranks, buckets) if b != bucket]
-        if bad:
-            # Drained every message; tell every Attention rank, then report here.
-            status = torch.tensor([_BUCKET_MISMATCH, bucket], dtype=torch.int64)
-            for peer, n in zip(a_ranks, counts):
-                msg = torch.zeros(1 + n, cfg.hidden_size, dtype=torch.int16)
-                msg[0].view(torch.int64)[:2] = status
-                self._isend(msg, peer, _COMBINE, "combine")
-            raise bucket_mismatch(self.rank, bad[0][0], bad[0][1], bucket, self.slot,
-                                  "dispatch")
+        self._check_buckets(bucket, counts)
 
         r, h, el = cfg.rows_per_token, cfg.hidden_size, cfg.experts_per_rank
         pb, sb = self._payload_bytes, self._scale_bytes
@@ -286,6 +300,104 @@ class CpuTransport(Transport):
         counts_e = torch.bincount(e, minlength=el)
         expert_offsets[0] = 0
         expert_offsets[1:] = torch.cumsum(counts_e, 0).to(torch.int32)
+
+    def _headers(self, bucket: int) -> List[int]:
+        """Every Attention rank's dispatch header: its token count (returned) and bucket (kept
+        for ``_check_buckets``, which runs once every message of the exchange is in)."""
+        a_ranks = self.config.attention_group_ranks
+        headers = [torch.zeros(2, dtype=torch.int64) for _ in a_ranks]
+        works = [self._irecv(hd, peer, _DISPATCH_HEADER) for hd, peer in zip(headers, a_ranks)]
+        for w, peer in zip(works, a_ranks):
+            self._wait(w, peer, "dispatch")
+        self._peer_buckets = [int(hd[1]) for hd in headers]
+        return [int(hd[0]) for hd in headers]
+
+    def _check_buckets(self, bucket: int, counts: List[int]) -> None:
+        """After draining an exchange: on a bucket mismatch, tell every Attention rank (the
+        status row of its combine message), then raise here."""
+        cfg = self.config
+        a_ranks = cfg.attention_group_ranks
+        bad = [(peer, b) for peer, b in zip(a_ranks, self._peer_buckets) if b != bucket]
+        if not bad:
+            return
+        status = torch.tensor([_BUCKET_MISMATCH, bucket], dtype=torch.int64)
+        for peer, n in zip(a_ranks, counts):
+            msg = torch.zeros(1 + n, cfg.hidden_size, dtype=torch.int16)
+            msg[0].view(torch.int64)[:2] = status
+            self._isend(msg, peer, _COMBINE, "combine")
+        raise bucket_mismatch(self.rank, bad[0][0], bad[0][1], bucket, self.slot, "dispatch")
+
+    # ---- FFN side, token layout ---------------------------------------------------------
+    def _windows(self):
+        """The token layout's receive windows, [A * rows_per_source(capacity), H] payload and
+        [.., H/128] float32 scales, made on first use and kept: receive returns views."""
+        if self._token_window is None:
+            cfg = self.config
+            n = cfg.token_rows(cfg.capacity_tokens_per_rank)
+            self._token_window = torch.empty(n, cfg.hidden_size, dtype=cfg.dtype)
+            self._scale_window = torch.empty(n, cfg.scale_cols, dtype=torch.float32)
+        return self._token_window, self._scale_window
+
+    def receive_tokens(self, bucket: int, expert_ids, weights, src_rank, src_token,
+                       num_tokens):
+        """Token layout: every Attention rank's tokens into rows a * rows_per_source(bucket)
+        + [0, n_a) of the window; writes the metadata outputs ([N, k] int32 ids, [N, k]
+        float32 weights, [N] int32 src_rank / src_token, [A] int32 num_tokens) and returns
+        (x [N, H], x_scales [N, H/128]) views of the window."""
+        cfg = self.config
+        self._finish_sends()
+        a_ranks = cfg.attention_group_ranks
+        k, rps = cfg.top_k, cfg.rows_per_source(bucket)
+        n_rows = cfg.attention_ranks * rps
+        window, scales = self._windows()
+        counts = self._headers(bucket)
+        recvs = []
+        for a, (peer, n) in enumerate(zip(a_ranks, counts)):
+            if n == 0:
+                continue
+            fits = n <= rps and self._peer_buckets[a] == bucket
+            # A mismatched sender's rows are drained into scratch, never into the window.
+            dst = (window[a * rps:a * rps + n] if fits
+                   else torch.empty(n, cfg.hidden_size, dtype=cfg.dtype))
+            parts = [dst.view(torch.uint8)]
+            if cfg.scale_cols:
+                parts.append(scales[a * rps:a * rps + n] if fits
+                             else torch.empty(n, cfg.scale_cols, dtype=torch.float32))
+            meta = torch.empty(n, 4 + 8 * k, dtype=torch.uint8)
+            works = [self._irecv(parts[0], peer, _PAYLOAD)]
+            if cfg.scale_cols:
+                works.append(self._irecv(parts[1], peer, _SCALES))
+            works.append(self._irecv(meta, peer, _DISPATCH_BLOB))
+            recvs.append((a, peer, n, works, meta))
+        for _a, peer, _n, works, _meta in recvs:
+            for w in works:
+                self._wait(w, peer, "dispatch")
+        self._check_buckets(bucket, counts)
+        expert_ids.fill_(-1)
+        weights.zero_()
+        src_rank.fill_(-1)
+        src_token.fill_(-1)
+        for a, peer, n, _works, meta in recvs:
+            rows = slice(a * rps, a * rps + n)
+            src_token[rows] = meta[:, :4].contiguous().view(torch.int32).flatten()
+            expert_ids[rows] = meta[:, 4:4 + 4 * k].contiguous().view(torch.int32)
+            weights[rows] = meta[:, 4 + 4 * k:].contiguous().view(torch.float32)
+            src_rank[rows] = peer
+        num_tokens.copy_(torch.tensor(counts, dtype=torch.int32))
+        return window[:n_rows], scales[:n_rows]
+
+    def reply_tokens(self, rows, src_token, num_tokens) -> None:
+        """Token layout: row a * rows_per_source + i goes back to Attention index a as the
+        reply of the i-th token it sent here (rows [N, H] bfloat16)."""
+        cfg = self.config
+        self._finish_sends()
+        rps = rows.shape[0] // cfg.attention_ranks
+        for a, peer in enumerate(cfg.attention_group_ranks):
+            n = int(num_tokens[a].item())
+            msg = torch.zeros(1 + n, cfg.hidden_size, dtype=torch.int16)  # row 0: status OK
+            if n:
+                msg[1:] = rows[a * rps:a * rps + n].view(torch.int16)
+            self._isend(msg, peer, _COMBINE, "combine")
 
     def reply(self, rows, token_rows, token_index, num_tokens) -> None:
         cfg = self.config
