@@ -178,7 +178,7 @@ class CudaTransport(Transport):
             raise ValueError(f"x has {t} tokens but bucket is {bucket}")
         self._comm.dispatch(_ptr(x), _ptr(x_scales), _ptr(expert_ids),
                             expert_ids.dtype == torch.int64, _ptr(weights), _ptr(route), int(t),
-                            _stream(self.device))
+                            _stream(self.device), bucket=int(bucket))
 
     def combine(self, route, out) -> None:
         self._comm.combine(_ptr(route), _ptr(out), int(out.shape[0]), _stream(self.device))
