@@ -39,10 +39,11 @@ class AfdepPeerLostError(AfdepTimeoutError):
     of ``AfdepTimeoutError``: the exchange cannot finish). Same attributes."""
 
 
-class AfdepBucketError(AfdepStateError):
-    """Ranks of one exchange used different buckets. Reported on every rank of the exchange;
-    nothing was exchanged and the buffer stays usable. ``peer``: a rank with the other
-    bucket; ``phase``; ``rank``: the reporting rank."""
+class AfdepBucketError(AfdepRouteError):
+    """Ranks of one exchange used different buckets (a kind of ``AfdepRouteError``, so a
+    ``ValueError``). Reported on every rank of the exchange, CPU and CUDA; nothing was
+    exchanged for the mismatched pair and the buffer stays usable. ``peer``: a rank with the
+    other bucket; ``phase``; ``rank``: the reporting rank."""
 
     def __init__(self, message: str, *, peer: int = -1, phase: str = "", rank: int = -1):
         super().__init__(message)

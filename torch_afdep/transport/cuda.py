@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..config import FFN, Config
-from ..errors import AfdepRouteError, AfdepTimeoutError
+from ..errors import AfdepBucketError, AfdepRouteError, AfdepTimeoutError
 from .base import Transport
 
 _PHASES = {0: "dispatch", 1: "combine", 2: "flag round-trip probe"}
@@ -269,10 +269,11 @@ class CudaTransport(Transport):
                 did = "received" if not self.is_ffn else "dispatched"
                 effect = ("its tokens were not taken" if self.is_ffn else
                           "its reply rows count as zero")
-                raise AfdepRouteError(
+                raise AfdepBucketError(
                     f"{_ROUTE_KINDS[3]}: group rank {peer} {did} with bucket {theirs} but this "
                     f"rank used bucket {own} on slot {self.slot}; every rank of an exchange "
-                    f"must use the same bucket ({effect})")
+                    f"must use the same bucket ({effect})", peer=int(peer),
+                    phase="dispatch" if self.is_ffn else "combine", rank=self.rank)
             kind = _ROUTE_KINDS.get(e["route_kind"], "route error")
             raise AfdepRouteError(f"{kind} (value {e['route_bad_id']}, slot {self.slot}); the "
                                   "entry was skipped")
