@@ -55,7 +55,7 @@ PYBIND11_MODULE(_cuda, m) {
       .def(py::init([](int rank, int device, std::vector<int> is_ffn, int num_sms, int hidden,
                        int elem, int scale_cols, int num_experts, int top_k, int capacity,
                        double timeout_s, unsigned flags, int ffn_ctas, int attn_ctas,
-                       std::string transport, bool trace, int debug) {
+                       std::string transport, bool trace, int debug, bool token_layout) {
              CommConfig c;
              c.rank = rank;
              c.device = device;
@@ -74,13 +74,14 @@ PYBIND11_MODULE(_cuda, m) {
              c.transport = std::move(transport);
              c.trace = trace;
              c.debug = debug;
+             c.token_layout = token_layout;
              return new Comm(c);
            }),
            py::arg("rank"), py::arg("device"), py::arg("is_ffn"), py::arg("num_sms"),
            py::arg("hidden"), py::arg("elem"), py::arg("scale_cols"), py::arg("num_experts"),
            py::arg("top_k"), py::arg("capacity"), py::arg("timeout_s"), py::arg("flags"),
            py::arg("ffn_ctas") = 24, py::arg("attn_ctas") = 24, py::arg("transport") = "ipc",
-           py::arg("trace") = false, py::arg("debug") = 0)
+           py::arg("trace") = false, py::arg("debug") = 0, py::arg("token_layout") = false)
       .def("local_handle", [](Comm& c) { return py::bytes(c.local_handle()); })
       .def("open",
            [](Comm& c, const std::vector<py::bytes>& hs) {
@@ -98,6 +99,13 @@ PYBIND11_MODULE(_cuda, m) {
            py::arg("stream"), py::arg("bucket") = 0, py::call_guard<py::gil_scoped_release>())
       .def("receive", &Comm::receive, py::call_guard<py::gil_scoped_release>())
       .def("reply", &Comm::reply, py::call_guard<py::gil_scoped_release>())
+      .def("receive_tokens", &Comm::receive_tokens, py::arg("bucket"), py::arg("expert_ids"),
+           py::arg("weights"), py::arg("src_rank"), py::arg("src_token"), py::arg("num_tokens"),
+           py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("reply_tokens", &Comm::reply_tokens, py::arg("bucket"), py::arg("rows"),
+           py::arg("src_token"), py::arg("num_tokens"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("token_view_ptrs", &Comm::token_view_ptrs)
       .def("combine", &Comm::combine, py::call_guard<py::gil_scoped_release>())
       .def("combine_in_place", &Comm::combine_in_place, py::call_guard<py::gil_scoped_release>())
       .def("view_ptr", &Comm::view_ptr)

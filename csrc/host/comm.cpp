@@ -84,6 +84,10 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.early = (L.flags & kEarlyNeeds) == kEarlyNeeds ? 1 : 0;
   L.sized = (L.flags & kSizedNeeds) == kSizedNeeds ? 1 : 0;
   L.stream = (L.flags & kStreamNeeds) == kStreamNeeds ? 1 : 0;
+  L.tokens = cfg.token_layout ? 1 : 0;
+  // the token layout's view needs rows of exactly H elements, one after the other
+  if (L.tokens && (int64_t)L.row_bytes != (int64_t)L.H * L.elem)
+    throw std::invalid_argument("token layout: payload rows must be H * elem bytes");
   L.Gmax = L.S;
   if (L.G > L.Gmax) L.Gmax = L.G;
   if (L.Ga > L.Gmax) L.Gmax = L.Ga;
@@ -197,6 +201,13 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   a.do_recv = all_peers ? 1 : 0;
   a.real_recv = 0;
   a.bucket = bucket;  // carried in the count blocks; the FFN compares it with its own
+  if (L_.tokens) {
+    // the token layout's inbox stride is the bucket's share per channel (the FFN's view)
+    need(bucket >= 1, "the token layout needs a declared bucket");
+    a.stride = (bucket + L_.S - 1) / L_.S;
+  } else {
+    a.stride = L_.slots;
+  }
   check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
 }
 
@@ -205,10 +216,12 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
                    uint64_t token_index, uint64_t num_tokens, uint64_t stream) {
   need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
   need(L_.is_ffn, "receive runs on FFN ranks");
+  need(!L_.tokens, "receive is the expert layout's; the token layout calls receive_tokens");
   need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
   DeviceGuard g(device_);
   const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
   DispatchArgs a{};
+  a.stride = L_.slots;
   a.do_send = all_peers ? 1 : 0;
   a.real_send = 0;
   a.T = 0;
@@ -233,6 +246,7 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
                  uint64_t num_tokens, uint64_t stream) {
   need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
   need(L_.is_ffn, "reply runs on FFN ranks");
+  need(!L_.tokens, "reply is the expert layout's; the token layout calls reply_tokens");
   need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
   DeviceGuard g(device_);
   CombineArgs a{};
@@ -248,6 +262,62 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
                        reinterpret_cast<cudaStream_t>(stream)), "launch reply");
   reply_due_ = false;
+}
+
+void Comm::receive_tokens(int bucket, uint64_t expert_ids, uint64_t weights, uint64_t src_rank,
+                          uint64_t src_token, uint64_t num_tokens, uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(L_.is_ffn, "receive_tokens runs on FFN ranks");
+  need(L_.tokens, "receive_tokens needs the token layout");
+  need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
+  DeviceGuard g(device_);
+  const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
+  DispatchArgs a{};
+  a.stride = (bucket + L_.S - 1) / L_.S;
+  a.do_send = all_peers ? 1 : 0;  // the symmetric protocol's dummy sender
+  a.real_send = 0;
+  a.T = 0;
+  a.do_recv = 1;
+  a.real_recv = 1;
+  a.bucket = bucket;
+  a.out_expert_ids = reinterpret_cast<int*>(expert_ids);
+  a.out_weights = reinterpret_cast<float*>(weights);
+  a.out_src_rank = reinterpret_cast<int*>(src_rank);
+  a.out_src_token = reinterpret_cast<int*>(src_token);
+  a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
+  check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
+                        reinterpret_cast<cudaStream_t>(stream)), "launch receive_tokens");
+  reply_due_ = true;
+}
+
+void Comm::reply_tokens(int bucket, uint64_t rows, uint64_t src_token, uint64_t num_tokens,
+                        uint64_t stream) {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(L_.is_ffn, "reply_tokens runs on FFN ranks");
+  need(L_.tokens, "reply_tokens needs the token layout");
+  need(bucket >= 1 && bucket <= L_.C, "bucket out of range");
+  DeviceGuard g(device_);
+  CombineArgs a{};
+  a.do_send = 1;
+  a.real_send = 1;
+  a.tokens = 1;
+  a.rps = L_.S * ((bucket + L_.S - 1) / L_.S);
+  a.rows = reinterpret_cast<const void*>(rows);
+  a.src_token = reinterpret_cast<const int*>(src_token);
+  a.num_tokens = reinterpret_cast<const int*>(num_tokens);
+  a.bucket = bucket;
+  a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
+  a.real_recv = 0;
+  check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
+                       reinterpret_cast<cudaStream_t>(stream)), "launch reply_tokens");
+  reply_due_ = false;
+}
+
+std::pair<uint64_t, uint64_t> Comm::token_view_ptrs() const {
+  need(opened_ && !closed_, "torch_afdep CUDA: transport not open");
+  need(L_.is_ffn && L_.tokens, "the token view exists on FFN ranks of the token layout");
+  const uint64_t base = transport_->peer_bases()[L_.rank];
+  return {base + (uint64_t)L_.off_payload, base + (uint64_t)L_.off_scales};
 }
 
 void Comm::combine(uint64_t route, uint64_t out, int T, uint64_t stream) {

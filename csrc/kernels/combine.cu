@@ -85,6 +85,31 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
            nvalid);
 }
 
+// FFN, token layout: row i of rows [A*rps, H] is already the token's reply (the caller
+// summed its experts); copy it as is into its source's inbox at the token's index. Rows are
+// split into nch chunks of cv vectors (nch sized by the tokens received, not by the rows:
+// most rows may be empty); src_token[i] < 0 marks an empty row.
+__device__ void reply_token_rows(const Layout& L, const CombineArgs& a, int nch, int cv, int gw,
+                                 int nw, int lane, int src_idx) {
+  const int nv = L.H / 8;
+  const int nrows = L.A * a.rps;
+  const int4* rows = static_cast<const int4*>(a.rows);
+  for (int u = gw; u < nrows * nch; u += nw) {
+    const int h = u % nch, row = u / nch;
+    const int tok = a.src_token[row];
+    if (tok < 0) continue;
+    if (tok >= L.C) {  // not a receipt's row: never write outside the inbox
+      if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
+      continue;
+    }
+    const int ai = row / a.rps;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[ai]) + L.off_comb) +
+                ((size_t)src_idx * L.C + tok) * nv;
+    if (v1 > v0) warp_copy16<false>(dst + v0, rows + (size_t)row * nv + v0, v1 - v0, lane);
+  }
+}
+
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
 // FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
 __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
@@ -169,12 +194,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int items = s_tb[L.A];
       const int nch = chunks_per_row(items, nw, nv);
       const int cv = (nv + nch - 1) / nch;
-      for (int u = gw; u < items * nch; u += nw) {
-        const int h = u % nch, q = u / nch;
-        const int ai = upper_index(s_tb, L.A, q);
-        const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
-        const int v0 = h * cv, v1 = min(nv, v0 + cv);
-        if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
+      if (a.tokens) {
+        reply_token_rows(L, a, nch, cv, gw, nw, lane, src_idx);
+      } else {
+        for (int u = gw; u < items * nch; u += nw) {
+          const int h = u % nch, q = u / nch;
+          const int ai = upper_index(s_tb, L.A, q);
+          const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
+          const int v0 = h * cv, v1 = min(nv, v0 + cv);
+          if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
+        }
       }
     }
     sys_fence_then_sync(L);

@@ -58,13 +58,13 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
     int pos = 0;
     if (mine) pos = atomicAdd(&s_ecnt[e], 1);
     if (count_only) continue;
-    if (slot >= L.slots) {  // cannot happen with T <= C; never write out of bounds
+    if (slot >= a.stride) {  // cannot happen with T <= bucket <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
       continue;
     }
     if (lane == 0) s_slot[i * L.F + fd] = slot;
     char* base = peer_base(L, L.rank_of_ffn[fd]);
-    const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+    const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
     int* meta = reinterpret_cast<int*>(base + L.off_meta) + gslot * L.meta_ints;
     if (lane == 0) {
       meta[0] = t;
@@ -73,7 +73,9 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
     if (mine) {
       meta[2 + r] = (int)(e - (long long)fd * L.El);
       meta[2 + L.R + r] = __float_as_int(w);
-      meta[2 + 2 * L.R + r] = pos;
+      // the token layout keeps the source's columns: the entry's column instead of its
+      // position within the expert
+      meta[2 + 2 * L.R + r] = L.tokens ? lane : pos;
     }
   }
 }
@@ -83,7 +85,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
 __device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a, int t, int fd,
                                          int slot, int src_idx, int c, int v0, int v1, int lane) {
   char* base = peer_base(L, L.rank_of_ffn[fd]);
-  const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+  const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
   const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                   (size_t)t * L.row_bytes);
   int4* dst = reinterpret_cast<int4*>(base + L.off_payload + gslot * L.row_bytes);
@@ -127,7 +129,7 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo
     copy_row(L, a, lo + i, fd, slot, src_idx, c, 0, nv, lane);
     __syncwarp();
     if (lane == 0) {
-      const size_t gslot = ((size_t)src_idx * L.S + c) * L.slots + slot;
+      const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
       fence_acq_rel_sys();
       st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_ffn[fd]) +
                                                  L.off_rowflag) + gslot, n);
@@ -355,6 +357,123 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   }
 }
 
+// Receiver side of the token layout: the payload already sits where the FFN reads it (the
+// inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
+// view), so this writes only the metadata of every row and waits until each reported row's
+// payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
+// slot-major (j, region): the order in which rows land when each row has its own flag.
+__device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
+                             int* smem) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c = blockIdx.x;
+  char* mine = peer_base(L, L.rank);
+  const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, k = L.k;
+  int* s_cnt = smem;              // [nreg] tokens of each region (0: none or bucket differs)
+  int* s_ready = s_cnt + nreg;    // [nreg] early counts: region's payload seen complete
+  int* s_ahead = s_ready + nreg;  // [nreg] kAhead* of the region; -1: the bucket differs
+  // Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records
+  // it for the reply and reports it once per source.
+  for (int g = tid; g < nreg; g += blockDim.x) {
+    const int sr = L.rank_of_attn[g / L.S];
+    const int count = blk_count(L, mine, sr, g % L.S);
+    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, g % L.S) + 12));
+    const int sb = (int)((unsigned)word >> kAheadBits);
+    const bool differs = sb != 0 && sb != a.bucket;
+    // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
+    if (!differs && count > stride && c == 0) report_route(L.err, count, kRouteOverflow);
+    s_cnt[g] = differs ? 0 : min(max(count, 0), stride);
+    s_ready[g] = 0;
+    s_ahead[g] = differs ? -1 : (word & kAheadMask);
+    if (c == 0 && g % L.S == 0) {
+      L.mismatch[g / L.S] = differs ? sb : 0;
+      if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
+    }
+  }
+  __syncthreads();
+  trace_mark(L, kPhaseDispatch, n, kTrReady, -1);
+  if (c == 0) {
+    for (int ai = tid; ai < L.A; ai += blockDim.x) {
+      int sum = 0;
+      for (int ch = 0; ch < L.S; ++ch) sum += s_cnt[ai * L.S + ch];
+      a.out_num_tokens[ai] = min(sum, a.bucket);
+    }
+  }
+  const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
+  int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
+  for (int u = gw; u < stride * nreg; u += nw) {
+    const int j = u / nreg, g = u % nreg;
+    const int ai = g / L.S, ch = g % L.S;
+    const size_t row = (size_t)ai * rps + (size_t)ch * stride + j;  // == its inbox slot
+    int* ids = a.out_expert_ids + row * k;
+    float* ws = a.out_weights + row * k;
+    if (j >= s_cnt[g]) {  // no token in this row
+      if (lane < k) {
+        ids[lane] = -1;
+        ws[lane] = 0.f;
+      }
+      if (lane == 0) {
+        a.out_src_rank[row] = -1;
+        a.out_src_token[row] = -1;
+      }
+      continue;
+    }
+    const int sr = L.rank_of_attn[ai];
+    const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + row * L.meta_ints;
+    const int tok = ld_cg_i32(meta);
+    const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
+    int el = -1, col = -1;
+    float w = 0.f;
+    if (lane < nloc) {
+      el = ld_cg_i32(meta + 2 + lane);
+      w = __int_as_float(ld_cg_i32(meta + 2 + L.R + lane));
+      col = ld_cg_i32(meta + 2 + 2 * L.R + lane);
+      if (el < 0 || el >= L.El) col = -1;
+    }
+    // lane q becomes column q: the entry whose column is q (at most one: columns are the
+    // first occurrences of distinct ids), else -1 / 0
+    int id = -1;
+    float wq = 0.f;
+    for (int r = 0; r < nloc; ++r) {
+      const int cr = __shfl_sync(kFull, col, r);
+      const int er = __shfl_sync(kFull, el, r);
+      const float wr = __shfl_sync(kFull, w, r);
+      if (cr == lane) {
+        id = er;
+        wq = wr;
+      }
+    }
+    if (lane < k) {
+      ids[lane] = id;
+      ws[lane] = wq;
+    }
+    if (lane == 0) {
+      a.out_src_rank[row] = sr;
+      a.out_src_token[row] = tok;
+    }
+    if (L.early && s_ahead[g] == kAheadRows) {  // counts came first: wait for this row's flag
+      int ok = 1;
+      if (lane == 0) {
+        ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_rowflag) + row, n, deadline,
+                      L.err, kPhaseDispatch, sr, L.rank);
+        if (ok) sys_fence_after_wait();  // the row is read by the next kernel
+      }
+      if (!__shfl_sync(kFull, ok, 0)) return;
+    } else if (L.early && s_ahead[g] == kAheadChannel) {  // wait for the region's payload flag
+      int ok = 1;
+      if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
+        ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
+                      kPhaseDispatch, sr, L.rank);
+        if (ok) st_release_cta_shared(s_ready + g, 1);
+      }
+      if (!__shfl_sync(kFull, ok, 0)) return;
+      if (g != fenced) {  // see sys_fence_after_wait
+        sys_fence_after_wait();
+        fenced = g;
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
@@ -385,7 +504,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const int T = a.real_send ? a.T : 0;
     const int chunk = (T + L.S - 1) / L.S;
     const int lo = min(T, c * chunk), hi = min(T, lo + chunk);
-    const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
+    // the token layout indexes its inbox by Attention index in the union layout too (the
+    // FFN's view is [A][S][stride] rows; union dummy senders send no rows)
+    const int src_idx = ((fl & F_ROLE_BUFFERS) || L.tokens) ? L.my_index : L.rank;
     const int send_bucket = a.real_send ? a.bucket : 0;  // dummy senders declare none
     for (int i = tid; i < L.F + L.E; i += blockDim.x) smem[i] = 0;
     __syncthreads();
@@ -475,7 +596,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!__syncthreads_and(ok ? 1 : 0)) return;
     sys_fence_after_wait();  // counts (and, unless early, payloads) seen: read them
     trace_mark(L, kPhaseDispatch, n, kTrWaited, kTrMaxWaited);
-    if (a.real_recv) expand(L, a, n, deadline, smem);
+    if (a.real_recv) {
+      if (L.tokens) place_tokens(L, a, n, deadline, smem);
+      else expand(L, a, n, deadline, smem);
+    }
   }
 
   __syncthreads();

@@ -59,10 +59,11 @@ class _DeviceMemory:
                                          "data": (int(ptr), False), "version": 2}
 
 
-def _device_tensor(ptr: int, shape, device: torch.device) -> torch.Tensor:
-    """int16 tensor aliasing ``shape`` elements at ``ptr`` on ``device`` (no copy)."""
+def _device_tensor(ptr: int, shape, device: torch.device, typestr: str = "<i2") -> torch.Tensor:
+    """Tensor (int16 unless ``typestr`` says otherwise) aliasing ``shape`` elements at ``ptr``
+    on ``device`` (no copy)."""
     with torch.cuda.device(device):  # older torch builds take the current device
-        t = torch.as_tensor(_DeviceMemory(ptr, shape, "<i2"), device=device)
+        t = torch.as_tensor(_DeviceMemory(ptr, shape, typestr), device=device)
     if t.data_ptr() != ptr:
         raise RuntimeError("torch_afdep: the receive-buffer view was copied, not aliased")
     return t
@@ -107,7 +108,8 @@ class CudaTransport(Transport):
             num_experts=c.num_experts, top_k=c.top_k, capacity=c.capacity_tokens_per_rank,
             timeout_s=float(c.timeout_s), flags=self.flags, ffn_ctas=int(ffn_ctas),
             attn_ctas=int(attn_ctas), transport=self.transport_kind,
-            trace=bool(settings.trace), debug=int(settings.debug))
+            trace=bool(settings.trace), debug=int(settings.debug),
+            token_layout=c.receive_layout == "tokens")
         #: CTAs of the FFN's receive/reply kernels (every rank must agree: Attention ranks
         #: count the reply kernel's CTAs) and of this rank's combine kernel (Attention)
         self.ffn_grid = int(self._comm.ffn_grid)
@@ -128,6 +130,27 @@ class CudaTransport(Transport):
                 "AFDEP_* environment on every rank (and local_sms when the GPUs differ)")
         self._comm.open([g[0] for g in gathered])
         dist.barrier(group=cpu_group)
+        self._token_x = self._token_scales = None  # token layout: views of the inbox
+        self._token_bucket = None  # token layout: bucket of this slot's last receive
+        if self.is_ffn and c.receive_layout == "tokens":
+            self._make_token_views()
+
+    def _make_token_views(self) -> None:
+        """The token layout's [token_rows(C), H] payload and [.., H/128] float32 scale views of
+        this slot's dispatch inbox, made once: every receive returns slices of them from row
+        0, so the addresses a CUDA graph captures stay valid."""
+        c = self.config
+        n = c.token_rows(c.capacity_tokens_per_rank)
+        x_ptr, s_ptr = (int(p) for p in self._comm.token_view_ptrs())
+        if c.dtype == torch.float8_e4m3fn:
+            self._token_x = _device_tensor(x_ptr, (n, c.hidden_size), self.device,
+                                           "|u1").view(torch.float8_e4m3fn)
+        else:
+            self._token_x = _device_tensor(x_ptr, (n, c.hidden_size), self.device).view(c.dtype)
+        if c.scale_cols:
+            self._token_scales = _device_tensor(s_ptr, (n, c.scale_cols), self.device, "<f4")
+        else:  # BF16: no scales, an empty [N, 0] tensor (no memory)
+            self._token_scales = torch.empty(n, 0, dtype=torch.float32, device=self.device)
 
     def _auto_local_ctas(self, cpu_group):
         """(FFN grid, this rank's combine grid): one CTA per SM, divided among the group's
@@ -208,6 +231,29 @@ class CudaTransport(Transport):
         self._comm.reply(int(bucket), _ptr(rows), _ptr(token_rows), _ptr(token_index),
                          _ptr(num_tokens), _stream(self.device))
 
+    def receive_tokens(self, bucket, expert_ids, weights, src_rank, src_token, num_tokens):
+        """Token layout: wait for every Attention rank's tokens, write the metadata outputs
+        and return (x [N, H], x_scales [N, H/128 or 0]) views of the inbox, N =
+        Config.token_rows(bucket): row a * rps + c * ceil(bucket / S) + j holds token j of
+        channel c of Attention index a (rps = Config.rows_per_source(bucket))."""
+        self._comm.receive_tokens(int(bucket), _ptr(expert_ids), _ptr(weights), _ptr(src_rank),
+                                  _ptr(src_token), _ptr(num_tokens), _stream(self.device))
+        self._token_bucket = int(bucket)
+        n = self.config.token_rows(int(bucket))
+        return self._token_x[:n], self._token_scales[:n]
+
+    def reply_tokens(self, rows, src_token, num_tokens) -> None:
+        """Token layout: row i of rows [N, H] bfloat16 goes back as the reply of token
+        src_token[i] (-1: none) of Attention index i // rows_per_source."""
+        c = self.config
+        bucket = self._token_bucket
+        if bucket is None or c.token_rows(bucket) != rows.shape[0]:
+            # rows of another bucket than the last receive's: the bucket its row count names
+            # (rows_per_source is a multiple of num_sms; validate checked the count)
+            bucket = rows.shape[0] // c.attention_ranks
+        self._comm.reply_tokens(int(bucket), _ptr(rows), _ptr(src_token), _ptr(num_tokens),
+                                _stream(self.device))
+
     # ---- diagnostics ------------------------------------------------------------------
     def flag_round_trip_us(self, peer: int, initiator: bool, iters: int = 1000,
                            warmup: int = 100):
@@ -286,6 +332,7 @@ class CudaTransport(Transport):
             return
         self._closed = True
         self._view = None
+        self._token_x = self._token_scales = None
         try:
             torch.cuda.synchronize(self.device)
         finally:

@@ -17,6 +17,8 @@ struct DispatchArgs {
   int T;
   int do_send;            // this rank runs the send stage (real or dummy sender)
   int real_send;          // this rank has tokens (Attention)
+  int stride;             // inbox slots per (source, channel) of this exchange: L.slots, or
+                          // ceil(bucket / S) with the token layout (L.tokens)
   // FFN side (receiver)
   int do_recv;
   int real_recv;          // FFN: expand into the outputs below
@@ -30,6 +32,7 @@ struct DispatchArgs {
   int* out_token_rows;    // [A, bucket, R]
   int* out_token_index;   // [A, bucket]
   int* out_num_tokens;    // [A]
+  int* out_expert_ids;    // token layout: [A*S*stride, k] local ids in the source's columns
 };
 
 struct CombineArgs {
@@ -41,6 +44,10 @@ struct CombineArgs {
   const int* token_index;     // [A, bucket]
   const int* num_tokens;      // [A]
   int bucket;
+  int tokens;                 // token layout: row i of rows [A*rps, H] is the reply of the
+                              // token src_token[i] of Attention index i / rps (-1: no token)
+  int rps;                    // token layout: rows per source, S * ceil(bucket / S)
+  const int* src_token;       // token layout: [A*rps]
   // Attention side (receiver)
   int do_recv;
   int real_recv;

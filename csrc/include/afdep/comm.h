@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "afdep/args.h"
@@ -28,6 +29,8 @@ struct CommConfig {
   int capacity = 0;
   double timeout_s = 100.0;
   uint32_t flags = kAllRoleAware;
+  // Token-major receive layout (Config.receive_layout == "tokens"); every rank must agree.
+  bool token_layout = false;
   std::string transport = "ipc";  // "ipc" (CUDA IPC) or "nccl" (NCCL LSA windows)
   // Diagnostics, set by the Python side from AFDEP_TRACE / AFDEP_DEBUG (C++ reads no
   // environment): per-stage timestamps, and the DebugBits mask of layout.h.
@@ -64,6 +67,19 @@ class Comm {
                uint64_t num_tokens, uint64_t stream);
   void reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_index,
              uint64_t num_tokens, uint64_t stream);
+  // Token layout (FFN): wait for every sender's tokens like receive, then write per row of the
+  // inbox view ([A * rps] rows, rps = S * ceil(bucket / S)) the local ids in the source's
+  // columns [., k] and weights, src_rank, src_token (-1: no token), and num_tokens [A]. The
+  // payload stays where it landed: token_view_ptrs()'s rows.
+  void receive_tokens(int bucket, uint64_t expert_ids, uint64_t weights, uint64_t src_rank,
+                      uint64_t src_token, uint64_t num_tokens, uint64_t stream);
+  // Token layout (FFN): row i of rows [A * rps, H] bf16 goes back as the reply of token
+  // src_token[i] (-1: none) of Attention index i / rps; no reduction.
+  void reply_tokens(int bucket, uint64_t rows, uint64_t src_token, uint64_t num_tokens,
+                    uint64_t stream);
+  // Token layout (FFN): addresses of this rank's dispatch inbox payload rows [., H] and
+  // scales [., scale_cols] f32, the rows receive_tokens reports (fixed for the Comm's life).
+  std::pair<uint64_t, uint64_t> token_view_ptrs() const;
   void combine(uint64_t route, uint64_t out, int T, uint64_t stream);
   // F == 1 only: wait like combine, zero the inbox rows of tokens without a route, copy
   // nothing; the result is view_ptr()'s rows [0, T) (valid until the next dispatch).

@@ -144,6 +144,9 @@ struct Layout {
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
   int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
   int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
+  int tokens;     // 1: token-major receive layout (Config.receive_layout == "tokens"): the
+                  // inbox slots of (source a, channel c) sit at stride ceil(bucket/S), indexed
+                  // by Attention index, so the inbox is the FFN's [A*S*stride, H] input as is
   int slots;      // dispatch slots per (source, channel) = ceil(C / S)
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)

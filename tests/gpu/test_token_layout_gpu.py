@@ -1,0 +1,381 @@
+"""The token-major receive layout (``Config(receive_layout="tokens")``) on the CUDA path.
+
+Row a * rps + c * ceil(bucket / S) + j of an FFN's receive (rps = Config.rows_per_source) holds
+token j of what channel c (the Attention's dispatch CTA c, which owns a contiguous block of
+its tokens) of Attention index a sent there; x and x_scales are views of the receive window.
+
+- ``test_token_layout_graphs``: 1A1F, 2A2F, 3A1F, 1A3F, BF16 and FP8: eager exchanges through
+  the public Buffer API (T = 0, 1, a few, many), then one exchange per rank captured in a
+  CUDA graph (Attention: dispatch + collect; FFN: receive, a device-side expert, reply) and
+  replayed 100 times with fresh inputs copied into the captured tensors and poisoned outputs
+  (the FFN's receive window too); every replay is checked on every rank: the Attention's
+  output against the fp64 reference, the FFN's rows one by one (each routed token exactly
+  once in its channel's block, its exact payload and scales, local ids in the source's
+  column order, weights, src_rank / src_token; rows without a token all -1). Every fifth
+  replay carries hostile expert ids (outside [-1, E)): that Attention rank reports
+  AfdepRouteError, the entries are skipped and everything else stays exact.
+- ``test_token_layout_controls``: each protocol control reverted alone (``AFDEP_<NAME>=0``),
+  the experimental ones switched on, and ``AFDEP_SYMMETRIC=1``, eager, in one world (the
+  settings are re-read per Buffer).
+
+Sizes make every send path run: at H = 2048 BF16, 10 tokens per channel publish their counts
+early (>= 32 KB, fewer than 16 tokens), 64 per channel send one flag per row (streamed), 32
+per channel fuse claims and copies. Ranks sharing a GPU need CUDA MPS (AFDEP_TEST_SHARED_GPU=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from tests.helpers import devices  # noqa: E402
+
+devices.require_gpu_module()
+
+LAYOUTS = {"1A1F": (1, 1), "2A2F": (2, 2), "3A1F": (3, 1), "1A3F": (1, 3)}
+CAP, HIDDEN, EXPERTS, TOP_K, SMS = 128, 2048, 12, 4, 2
+REPLAYS = 100
+
+
+def _config(a_n, f_n, dtype_name):
+    import torch_afdep as ta
+
+    return ta.Config(capacity_tokens_per_rank=CAP, hidden_size=HIDDEN, num_experts=EXPERTS,
+                     top_k=TOP_K, ffn_ranks=f_n, attention_ranks=a_n,
+                     dtype=getattr(torch, dtype_name), num_sms=SMS, receive_layout="tokens",
+                     timeout_s=15.0)
+
+
+def _expert(e, rows):
+    return torch.tanh(rows) * (1.0 + 0.25 * ((e % 5) - 2)) + 0.01 * (e + 1)
+
+
+def _hostile(ids, seed):
+    """Some entries outside [-1, E) (the kernels skip and report them)."""
+    g = torch.Generator().manual_seed(seed)
+    t = ids.shape[0]
+    if t == 0:
+        return ids
+    bad = [EXPERTS, EXPERTS + 3, -2, 2 ** 31 - 1 if ids.dtype == torch.int32 else -(2 ** 40)]
+    ids = ids.clone()
+    for q in range(min(4, t)):
+        r = int(torch.randint(t, (1,), generator=g))
+        ids[r, q % ids.shape[1]] = bad[q]
+    return ids
+
+
+def _inputs(cfg, a, tokens, seed, hostile=False):
+    """Attention index a's host inputs (the same on every rank for one seed)."""
+    from torch_afdep import reference as ref
+
+    inp = ref.make_inputs(cfg, tokens, "partial" if seed % 2 else "random", seed, a,
+                          device="cpu", id_dtype=torch.int32 if a % 2 else torch.int64)
+    ids = inp.expert_ids.clone()
+    if tokens > 2:  # duplicated ids: the repeat counts once, at its first column
+        ids[1, 2] = ids[1, 0]
+        ids[2, 3] = ids[2, 1]
+    if hostile:
+        ids = _hostile(ids, seed)
+    return ref.Inputs(inp.x, ids, inp.weights, inp.x_scales)
+
+
+def _clean(ids):
+    ids = ids.to(torch.int64)
+    return torch.where((ids >= 0) & (ids < EXPERTS), ids, torch.full_like(ids, -1))
+
+
+def _want_output(cfg, inp):
+    from torch_afdep import reference as ref
+
+    return ref.moe_output(cfg, inp.x, _clean(inp.expert_ids), inp.weights, _expert,
+                          inp.x_scales)
+
+
+def check_rows(cfg, f, rec, inputs, bucket):
+    """Every row of FFN index f's token receive against the inputs; returns problems."""
+    from torch_afdep import reference as ref
+
+    problems = []
+    S, rps = cfg.num_sms, cfg.rows_per_source(bucket)
+    stride = rps // S
+    n_rows, k = cfg.token_rows(bucket), cfg.top_k
+    want_shapes = {"x": (n_rows, cfg.hidden_size), "expert_ids": (n_rows, k),
+                   "weights": (n_rows, k), "src_rank": (n_rows,), "src_token": (n_rows,),
+                   "num_tokens": (cfg.attention_ranks,)}
+    for name, shape in want_shapes.items():
+        if tuple(getattr(rec, name).shape) != shape:
+            problems.append(f"{name} shape {tuple(getattr(rec, name).shape)} != {shape}")
+    if problems:
+        return problems
+    ids, w = rec.expert_ids.cpu().to(torch.int64), rec.weights.cpu()
+    tok, srank = rec.src_token.cpu().to(torch.int64), rec.src_rank.cpu()
+    num = rec.num_tokens.cpu()
+    x = rec.x.cpu().view(torch.uint8)
+    xs = None if rec.x_scales is None or rec.x_scales.numel() == 0 else rec.x_scales.cpu()
+    for a, inp in enumerate(inputs):
+        lid = ref.local_expert_ids(_clean(inp.expert_ids), f, cfg.experts_per_rank)
+        reached = (lid >= 0).any(dim=1)
+        T = inp.x.shape[0]
+        chunk = (T + S - 1) // S
+        total = 0
+        for c in range(S):
+            lo, hi = min(T, c * chunk), min(T, (c + 1) * chunk)
+            want = (reached[lo:hi].nonzero().flatten() + lo)
+            n = int(want.numel())
+            total += n
+            base = a * rps + c * stride
+            got = tok[base:base + n]
+            if not torch.equal(got.sort().values, want):
+                problems.append(f"source {a} channel {c}: tokens {got.tolist()}, want "
+                                f"{want.tolist()}")
+                continue
+            order = got.argsort()
+            rows = base + order
+            tw = got[order]
+            if not bool((srank[rows] == cfg.attention_group_ranks[a]).all()):
+                problems.append(f"source {a} channel {c}: src_rank {srank[rows].tolist()}")
+            if not torch.equal(x[rows], inp.x[tw].view(torch.uint8)):
+                problems.append(f"source {a} channel {c}: payload differs")
+            if xs is not None and not torch.equal(xs[rows], inp.x_scales[tw]):
+                problems.append(f"source {a} channel {c}: scales differ")
+            if not torch.equal(ids[rows], lid[tw]):
+                problems.append(f"source {a} channel {c}: ids {ids[rows].tolist()} != "
+                                f"{lid[tw].tolist()}")
+            want_w = torch.where(lid[tw] >= 0, inp.weights[tw].to(torch.float32), 0.0)
+            if not torch.equal(w[rows], want_w):
+                problems.append(f"source {a} channel {c}: weights differ")
+            empty = slice(base + n, base + stride)
+            if not (bool((ids[empty] == -1).all()) and bool((tok[empty] == -1).all())
+                    and bool((srank[empty] == -1).all()) and bool((w[empty] == 0).all())):
+                problems.append(f"source {a} channel {c}: rows without a token are not empty")
+        if int(num[a]) != total:
+            problems.append(f"source {a}: num_tokens {int(num[a])} != {total}")
+    return problems
+
+
+def device_expert_rows(cfg, f, rec):
+    """The caller's MoE on the device: row i = sum_j w[i, j] * expert(ids[i, j], x[i]) over
+    the local ids (fp32); rows without a token are NaN (the reply must not send them)."""
+    xf = rec.x.to(torch.float32)
+    if rec.x_scales is not None and rec.x_scales.numel():
+        xf = xf * rec.x_scales.repeat_interleave(128, dim=1)[:, :cfg.hidden_size]
+    ids = rec.expert_ids.to(torch.int64)
+    valid = ids >= 0
+    ge = ids + f * cfg.experts_per_rank
+    th = torch.tanh(xf)
+    out = torch.zeros_like(xf)
+    for j in range(cfg.top_k):
+        e = ge[:, j].to(torch.float32)
+        term = th * (1.0 + 0.25 * (torch.remainder(e, 5) - 2))[:, None] + (0.01 * (e + 1))[:, None]
+        out = out + torch.where(valid[:, j, None], term * rec.weights[:, j, None], 0.0)
+    out = torch.where(valid.any(dim=1)[:, None], out, float("nan"))
+    return out.to(torch.bfloat16)
+
+
+def _check_errors(buf):
+    for t in buf.transports:
+        t.check_error()
+
+
+def _eager_exchange(buf, cfg, inputs, bucket, out, tag):
+    """One exchange through the Buffer API with the given inputs of every Attention index."""
+    from torch_afdep import reference as ref
+
+    dev = buf.device if hasattr(buf, "device") else devices.world_device()
+    if buf.role == "attention":
+        inp = inputs[buf.role_index]
+        buf.source_dispatch(inp.x.to(dev), inp.expert_ids.to(dev), inp.weights.to(dev), bucket,
+                            None if inp.x_scales is None else inp.x_scales.to(dev))
+        got = buf.source_collect()
+        devices.sync(dev)
+        _check_errors(buf)
+        err = ref.relative_error(got, _want_output(cfg, inp))
+        out["errors"].append((tag, err))
+    else:
+        rec = buf.worker_receive(bucket)
+        devices.sync(dev)
+        out["problems"] += [f"{tag}: {p}" for p in check_rows(cfg, buf.role_index, rec, inputs,
+                                                               bucket)]
+        out["views"].add(rec.x.data_ptr())
+        buf.worker_reply(device_expert_rows(cfg, buf.role_index, rec), rec.receipt)
+        devices.sync(dev)
+        _check_errors(buf)
+
+
+EAGER_PLAN = [[0, 1, 20], [CAP, 20, 1], [20, 0, CAP], [1, CAP, 0]]
+
+
+def token_graph_body(rank, world, a_n, f_n, dtype_name, replays):
+    import torch.distributed as dist
+
+    import torch_afdep as ta
+    from torch_afdep import reference as ref
+    from torch_afdep.errors import AfdepRouteError
+
+    cfg = _config(a_n, f_n, dtype_name)
+    dev = devices.world_device()
+    out = {"errors": [], "problems": [], "views": set(), "route_errors": 0, "replays": 0}
+    bucket = CAP
+    with ta.Buffer(None, cfg, device=dev) as buf:
+        for step, tokens in enumerate(EAGER_PLAN):
+            inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 10 + step) for a in range(a_n)]
+            _eager_exchange(buf, cfg, inputs, bucket, out, f"eager {step}")
+        dist.barrier()
+
+        # one exchange per rank in a CUDA graph
+        g_tokens = [[CAP, 20, 3][a % 3] for a in range(a_n)]
+        first = [_inputs(cfg, a, g_tokens[a], 1000) for a in range(a_n)]
+        if buf.role == "attention":
+            me = buf.role_index
+            xs = first[me].x.to(dev)
+            ids = first[me].expert_ids.to(dev)
+            ws = first[me].weights.to(dev)
+            scs = None if first[me].x_scales is None else first[me].x_scales.to(dev)
+
+            def step():
+                buf.source_dispatch(xs, ids, ws, bucket, scs)
+                return buf.source_collect()
+        else:
+            f = buf.role_index
+
+            def step():
+                rec = buf.worker_receive(bucket)
+                buf.worker_reply(device_expert_rows(cfg, f, rec), rec.receipt)
+                return rec
+
+        res = step()  # warm-up on the tensors the graph captures
+        devices.sync(dev)
+        _check_errors(buf)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = step()
+        devices.sync(dev)
+        dist.barrier()
+        for i in range(replays):
+            hostile = i % 5 == 3
+            inputs = [_inputs(cfg, a, g_tokens[a], 2000 + i, hostile=hostile)
+                      for a in range(a_n)]
+            if buf.role == "attention":
+                mine = inputs[me]
+                xs.copy_(mine.x)
+                ids.copy_(mine.expert_ids)
+                ws.copy_(mine.weights)
+                if scs is not None:
+                    scs.copy_(mine.x_scales)
+                res.fill_(float("nan"))
+            else:  # poison every output, the receive window included (no rank is sending)
+                res.x.view(torch.uint8).fill_(0xFF)
+                if res.x_scales is not None and res.x_scales.numel():
+                    res.x_scales.fill_(float("nan"))
+                res.expert_ids.fill_(-7)
+                res.weights.fill_(float("nan"))
+                res.src_rank.fill_(-7)
+                res.src_token.fill_(-7)
+                res.num_tokens.fill_(-7)
+            devices.sync(dev)
+            dist.barrier()  # poisoned everywhere before any rank replays
+            graph.replay()
+            devices.sync(dev)
+            tag = f"replay {i}"
+            if buf.role == "attention":
+                bad = hostile and inputs[me].x.shape[0] > 0
+                try:
+                    _check_errors(buf)
+                    if bad:
+                        out["problems"].append(f"{tag}: hostile ids not reported")
+                except AfdepRouteError:
+                    out["route_errors"] += 1
+                    if not bad:
+                        out["problems"].append(f"{tag}: unexpected AfdepRouteError")
+                out["errors"].append((tag, ref.relative_error(res, _want_output(cfg, inputs[me]))))
+            else:
+                _check_errors(buf)
+                out["problems"] += [f"{tag}: {p}" for p in check_rows(cfg, f, res, inputs,
+                                                                       bucket)]
+                out["views"].add(res.x.data_ptr())
+            out["replays"] += 1
+        del graph
+        devices.sync(dev)
+        dist.barrier()
+    return out
+
+
+def _arms():
+    from torch_afdep import env
+
+    arms = [("default", {})]
+    for name, setting in env.CONTROLS.items():
+        arms.append((f"{name}=0", {name: "0"}))
+        if not setting.default:  # experimental controls: their path switched on too
+            arms.append((f"{name}=1", {name: "1"}))
+    arms.append(("AFDEP_SYMMETRIC=1", {env.SYMMETRIC: "1"}))
+    return arms
+
+
+def token_controls_body(rank, world, a_n, f_n, dtype_name):
+    import torch.distributed as dist
+
+    import torch_afdep as ta
+    from torch_afdep import env
+
+    cfg = _config(a_n, f_n, dtype_name)
+    dev = devices.world_device()
+    res = {}
+    names = list(env.CONTROLS) + [env.SYMMETRIC]
+    for arm, setting in _arms():
+        for n in names:
+            os.environ.pop(n, None)
+        os.environ.update(setting)
+        env.reset()  # the next Buffer reads the arm's settings
+        out = {"errors": [], "problems": [], "views": set()}
+        with ta.Buffer(None, cfg, device=dev) as buf:
+            for step, tokens in enumerate(EAGER_PLAN):
+                inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 50 + step)
+                          for a in range(a_n)]
+                _eager_exchange(buf, cfg, inputs, CAP, out, f"{arm} step {step}")
+        dist.barrier()
+        res[arm] = out
+    return res
+
+
+def _tol(dtype_name):
+    return 2e-2 if dtype_name == "bfloat16" else 6e-2
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+def test_token_layout_graphs(layout, dtype_name):
+    a_n, f_n = LAYOUTS[layout]
+    res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
+                                  timeout=240)
+    tol = _tol(dtype_name)
+    routes = 0
+    for r, out in enumerate(res):
+        assert not out["problems"], (r, out["problems"][:5])
+        bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
+        assert not bad, (r, bad[:5])
+        assert out["replays"] == REPLAYS, (r, out["replays"])
+        routes += out["route_errors"]
+    ffn = [o for o in res if o["views"]]
+    assert len(ffn) == f_n
+    for o in ffn:  # zero-copy: one window, the same address eagerly and in every replay
+        assert len(o["views"]) == 1, o["views"]
+    assert routes >= a_n * (REPLAYS // 5) - a_n, routes  # every hostile replay reported
+
+
+@pytest.mark.parametrize("layout,dtype_name", [("2A2F", "bfloat16"), ("1A1F", "float8_e4m3fn")])
+def test_token_layout_controls(layout, dtype_name):
+    a_n, f_n = LAYOUTS[layout]
+    res = devices.spawn_gpu_world(token_controls_body, a_n + f_n, a_n, f_n, dtype_name,
+                                  timeout=240)
+    tol = _tol(dtype_name)
+    for r, arms in enumerate(res):
+        for arm, out in arms.items():
+            assert not out["problems"], (r, arm, out["problems"][:5])
+            bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
+            assert not bad, (r, arm, bad[:5])
+            assert len(out["views"]) <= 1, (r, arm, out["views"])
