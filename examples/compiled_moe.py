@@ -1,12 +1,15 @@
 """A compiled AFD MoE layer: ``torch_afdep.nn.AfdMoE`` under ``torch.compile(fullgraph=True)``.
 
     python examples/compiled_moe.py [--layout 2A2F | --roles FFAA] [--steps 4] [--tokens 8]
-                                    [--backend inductor] [--device auto] [--allow-shared-gpu]
+                                    [--receive-layout experts|tokens] [--backend inductor]
+                                    [--device auto] [--allow-shared-gpu]
 
 Spawns A Attention + F FFN ranks (CPU over gloo, or CUDA when GPUs and the CUDA extension are
 present; ranks sharing a GPU need CUDA MPS). Every rank builds the same ``AfdMoE`` layer on one ``Buffer``: Attention ranks hold
 the softmax top-k router and compile ``x -> router -> dispatch -> combine``; FFN ranks hold
-their slice of the SwiGLU experts and compile ``receive -> grouped experts -> reply``. Each
+their slice of the SwiGLU experts and compile ``receive -> grouped experts -> reply``
+(``--receive-layout tokens``: one row per token received, its entries sorted by expert for
+the grouped GEMM and summed back per token, one row per token replied). Each
 role compiles into one graph (``fullgraph=True``: a graph break would be an error). The
 outputs are checked against the same layer computed in float64 in one process.
 """
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8, help="tokens per Attention rank")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    cli.add_receive_layout_argument(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     cli.add_shared_gpu_argument(p)
     args = p.parse_args(argv)
@@ -102,12 +106,13 @@ def main(argv=None) -> int:
     kind = cli.device_kind(p, args.device)
     cfg = cli.make_config(p, capacity_tokens_per_rank=args.tokens, hidden_size=HIDDEN,
                           num_experts=EXPERTS, top_k=TOP_K, ffn_ranks=f, attention_ranks=a,
-                          roles=roles, timeout_s=120.0)
+                          roles=roles, timeout_s=120.0, receive_layout=args.receive_layout)
     device_ids = None
     if kind == "cuda":  # before spawning: refuse GPUs shared without MPS
         device_ids = cli.gpu_placement(p, a + f, args.allow_shared_gpu)
     print(f"compiled AFD MoE: {a}A{f}F on {kind}, backend {args.backend}, {args.steps} steps "
-          f"of {args.tokens} tokens per Attention rank", flush=True)
+          f"of {args.tokens} tokens per Attention rank, {cfg.receive_layout} receive layout",
+          flush=True)
     results = spawn_world(rank_main, a + f, cfg, args.steps, args.tokens, args.backend, kind,
                           device_ids=device_ids, timeout=600)
     worst, ok = 0.0, True

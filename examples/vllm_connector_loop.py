@@ -1,7 +1,7 @@
 """torch_afdep's vLLM AFD connector driven by a minimal stand-in engine loop.
 
     python examples/vllm_connector_loop.py [--layout 1A1F] [--layers 3] [--steps 3]
-                                           [--tokens 12]
+                                           [--tokens 12] [--receive-layout experts|tokens]
 
 Every rank builds the connector the way vLLM's AFD plugin does — ``AfdepConnector(rank,
 local_rank, vllm_config)`` with the plugin's config in ``vllm_config.additional_config["afd"]``
@@ -14,7 +14,10 @@ and the model sizes in ``vllm_config.model_config.hf_config`` — and calls
   attention runs, then ``recv_ffn_output`` into a static per-micro-batch output. The first
   step warms up; the later steps reuse static input buffers, as captured CUDA graphs would;
 - the stand-in FFN server loops ``recv_attn_output`` -> its SwiGLU experts on the expert-major
-  rows -> ``send_ffn_output``, knowing the layer from the returned metadata.
+  rows -> ``send_ffn_output``, knowing the layer from the returned metadata. With
+  ``--receive-layout tokens`` (the connector's ``extra_config["receive_layout"]``) it gets
+  token-major hidden states with ``topk_ids`` / ``topk_weights`` instead, as an FFN model
+  runner's fused MoE takes them, and sends one row per token back.
 
 Every layer's output is checked against the fp64 single-process MoE layer.
 """
@@ -36,14 +39,16 @@ from torch_afdep.tools import cli, demo
 HIDDEN, INTER, EXPERTS, TOP_K, UBATCHES = 128, 64, 8, 2, 2
 
 
-def vllm_config(role: str, role_rank: int, a: int, f: int, layers: int, capacity: int):
+def vllm_config(role: str, role_rank: int, a: int, f: int, layers: int, capacity: int,
+                receive_layout: str = "experts"):
     """What the engine hands the connector (only the fields the connector reads)."""
     hf = SimpleNamespace(hidden_size=HIDDEN, n_routed_experts=EXPERTS,
                          num_experts_per_tok=TOP_K, num_hidden_layers=layers)
     afd = {"enabled": True, "connector": "afdep", "role": role, "num_attention_ranks": a,
            "num_ffn_ranks": f, "afd_role_rank": role_rank, "host": "127.0.0.1",
            "port": 29611, "extra_config": {"capacity_tokens_per_rank": capacity,
-                                           "num_ubatches": UBATCHES, "timeout_s": 120.0}}
+                                           "num_ubatches": UBATCHES, "timeout_s": 120.0,
+                                           "receive_layout": receive_layout}}
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf),
                            additional_config={"afd": afd})
 
@@ -115,20 +120,23 @@ class StandInFfnServer:
         for _ in range(exchanges):
             rows, meta = self.conn.recv_attn_output()
             ex = self.experts[meta.layer_idx]
-            y = ex(rows, meta.topk_weights, meta.expert_offsets, meta.x_scales)
+            if meta.receive_layout == "tokens":  # token-major: the fused MoE's own input
+                y = ex.forward_tokens(rows, meta.topk_ids, meta.topk_weights, meta.x_scales)
+            else:
+                y = ex(rows, meta.topk_weights, meta.expert_offsets, meta.x_scales)
             meta.weights_applied = True
             self.conn.send_ffn_output(y, meta, ubatch_idx=meta.ubatch_idx)
             self.served += 1
 
 
-def rank_main(rank, world, a, f, layers, steps, tokens):
+def rank_main(rank, world, a, f, layers, steps, tokens, receive_layout="experts"):
     from torch_afdep.integrations.vllm import AfdepConnector
 
     torch.set_num_threads(1)
     role = "ffn" if rank < f else "attention"
     role_rank = rank if role == "ffn" else rank - f
     conn = AfdepConnector(rank, 0, vllm_config(role, role_rank, a, f, layers,
-                                               (tokens + 1) // 2))
+                                               (tokens + 1) // 2, receive_layout))
     conn.init_afd_connector()
     out = {"role": role, "index": role_rank, "times": []}
     if role == "attention":
@@ -155,16 +163,18 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tokens", type=int, default=12, help="tokens per Attention rank and step")
+    cli.add_receive_layout_argument(p)
     args = p.parse_args(argv)
     a, f, _ = cli.resolve_layout(p, args)
     # What every rank's connector will build: an unsupported layout fails here, not there.
     cli.build_or_error(p, a, f, lambda: parse_settings(
-        vllm_config("ffn", 0, a, f, args.layers, (args.tokens + 1) // 2)).afdep_config())
+        vllm_config("ffn", 0, a, f, args.layers, (args.tokens + 1) // 2,
+                    args.receive_layout)).afdep_config())
     print(f"vLLM AFD connector loop: {a}A{f}F on cpu (gloo), {args.layers} layers, "
-          f"{UBATCHES} ubatches, {args.steps} steps (1 warm-up) of {args.tokens} tokens",
-          flush=True)
+          f"{UBATCHES} ubatches, {args.steps} steps (1 warm-up) of {args.tokens} tokens, "
+          f"{args.receive_layout} receive layout", flush=True)
     results = spawn_world(rank_main, a + f, a, f, args.layers, args.steps, args.tokens,
-                          timeout=600)
+                          args.receive_layout, timeout=600)
     worst = 0.0
     for r in results:
         if r["role"] == "attention":

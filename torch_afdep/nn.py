@@ -7,8 +7,10 @@
   the combined expert output (``dispatch`` / ``combine`` split the two halves, so two
   micro-batches can overlap: dispatch slot 0, compute, dispatch slot 1, combine slot 0 ...);
 - on FFN ranks it holds this rank's SwiGLU experts (``SwiGLUExperts``) and ``forward(slot=)``
-  receives the expert-major rows, runs the experts, applies each row's routing weight once,
-  and replies.
+  receives, runs the experts, applies each routing weight once, and replies. The buffer's
+  ``Config.receive_layout`` picks what it receives: ``"experts"`` (default; expert-major rows,
+  ``SwiGLUExperts.forward``) or ``"tokens"`` (one row per token with its local expert ids
+  and weights, ``SwiGLUExperts.forward_tokens``; the reply is one weighted sum per token).
 
 Both roles trace under ``torch.compile(fullgraph=True)`` and capture in CUDA graphs (no host
 reads on the default path; static shapes from ``bucket``). Weights load from full stacked
@@ -31,6 +33,16 @@ capacity-sized; rows past ``expert_offsets[-1]`` are padding):
   not capturable in a CUDA graph. Eager only.
 - ``"auto"`` (default): grouped when available, else dense when compiling or capturing,
   else loop.
+
+The token layout (``SwiGLUExperts.forward_tokens`` on a ``TokenReceived``: x [N, H] with
+N = ``Config.token_rows(bucket)``, expert_ids [N, k] local or -1, weights [N, k]) runs the
+same formulations on fixed-size buffers (no host reads on the grouped and dense paths): the
+N*k (row, column) entries are sorted by local expert (entries with id -1 last), giving
+expert-major rows ``x[entry's row]`` and their ``expert_offsets``; grouped and loop run on
+those N*k rows exactly as above, each result is multiplied by its entry's weight, and the
+entries are summed back into their rows with ``index_add`` in fp32. ``"dense"`` needs no
+sort: every local expert runs on the N token rows, each row scaled by that expert's weight
+in the row (N*E_local rows of work, not N*k*E_local). Rows without a token come out zero.
 
 ``reference_moe`` is the same layer computed in float64 in one process (tests, examples).
 """
@@ -182,12 +194,15 @@ class TopKRouter(torch.nn.Module):
 
 
 class SwiGLUExperts(torch.nn.Module):
-    """This FFN rank's SwiGLU experts applied to expert-major rows.
+    """This FFN rank's SwiGLU experts applied to received rows.
 
     Parameters: ``w13`` [E_local, 2I, H] (gate w1 and up w3 stacked), ``w2`` [E_local, H, I].
-    ``forward(x, weights, expert_offsets, x_scales=None)`` takes a ``Received``'s fields and
-    returns the reply rows [N, H] bfloat16: row i = weights[i] * swiglu_{e(i)}(x[i]) for
-    i < expert_offsets[-1], zeros past it. ``method``: see the module docstring."""
+    ``forward(x, weights, expert_offsets, x_scales=None)`` takes a ``Received``'s fields
+    (expert layout) and returns the reply rows [N, H] bfloat16: row i = weights[i] *
+    swiglu_{e(i)}(x[i]) for i < expert_offsets[-1], zeros past it.
+    ``forward_tokens(x, expert_ids, weights, x_scales=None)`` takes a ``TokenReceived``'s
+    fields (token layout) and returns one row per token: the weighted sum of its local
+    experts' outputs. ``method``: see the module docstring."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *,
                  first_expert: int = 0, dtype: torch.dtype = torch.bfloat16, device=None,
@@ -240,37 +255,115 @@ class SwiGLUExperts(torch.nn.Module):
         capturing = self.w13.is_cuda and torch.cuda.is_current_stream_capturing()
         return "dense" if compiling or capturing else "loop"
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor,
-                x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n = x.shape[0]
+    def _expert_rows(self, xc: torch.Tensor, expert_offsets: torch.Tensor, method: str
+                     ) -> torch.Tensor:
+        """Every expert-major row through its expert, unweighted.
+
+        Arguments:
+            xc: [n, H] in the parameters' dtype, rows grouped by local expert.
+            expert_offsets: [E_local + 1] int32 prefix sums (rows of local expert e are
+                ``xc[expert_offsets[e]:expert_offsets[e+1]]``).
+            method: ``"grouped"``, ``"dense"`` or ``"loop"`` (resolved).
+        Returns:
+            y: [n, H] float32 (rows past ``expert_offsets[-1]`` unspecified: mask them).
+        """
+        n = xc.shape[0]
         i = self.intermediate_size
-        xc = dequantize_rows(x, x_scales, self.w13.dtype)
-        method = self.resolved_method()
-        valid = torch.arange(n, device=x.device) < expert_offsets[-1]
         if method == "grouped":
             ends = expert_offsets[1:]
-            gu = torch._grouped_mm(xc, self.w13.transpose(1, 2), offs=ends)  # [N, 2I]
+            gu = torch._grouped_mm(xc, self.w13.transpose(1, 2), offs=ends)  # [n, 2I]
             a = F.silu(gu[:, :i]) * gu[:, i:]
-            y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=ends)  # [N, H]
-        elif method == "dense":
-            rows = torch.arange(n, device=x.device, dtype=expert_offsets.dtype)
+            return torch._grouped_mm(a, self.w2.transpose(1, 2), offs=ends).float()  # [n, H]
+        if method == "dense":
+            rows = torch.arange(n, device=xc.device, dtype=expert_offsets.dtype)
             expert = torch.searchsorted(expert_offsets[1:], rows, right=True)
-            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
+            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=xc.device)
             for e in range(self.num_local_experts):
                 ye = swiglu(xc, self.w13[e, :i], self.w13[e, i:], self.w2[e]).float()
                 y = torch.where((expert == e)[:, None], ye, y)
-        elif method == "loop":
+            return y
+        if method == "loop":
             offs = expert_offsets.tolist()  # host read: a device->host sync on CUDA
-            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
+            y = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=xc.device)
             for e in range(self.num_local_experts):
                 lo, hi = offs[e], offs[e + 1]
                 if hi > lo:
                     y[lo:hi] = swiglu(xc[lo:hi], self.w13[e, :i], self.w13[e, i:],
                                       self.w2[e]).float()
-        else:  # pragma: no cover
-            raise ValueError(f"unknown method {method!r}")
+            return y
+        raise ValueError(f"unknown method {method!r}")  # pragma: no cover
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor,
+                x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The expert layout's reply rows.
+
+        Arguments:
+            x: [N, H] payload dtype (bfloat16 or float8_e4m3fn), rows grouped by local expert
+                (a ``Received.x``; rows past ``expert_offsets[-1]`` may hold anything).
+            weights: [N] float32, each row's routing weight.
+            expert_offsets: [E_local + 1] int32 prefix sums of the rows per local expert.
+            x_scales: [N, H/128] float32 for FP8 rows, else None.
+        Returns:
+            rows: [N, H] bfloat16, row i = weights[i] * swiglu_{e(i)}(x[i]) for
+            i < expert_offsets[-1], zeros past it.
+        """
+        n = x.shape[0]
+        xc = dequantize_rows(x, x_scales, self.w13.dtype)
+        y = self._expert_rows(xc, expert_offsets, self.resolved_method())
+        valid = torch.arange(n, device=x.device) < expert_offsets[-1]
         # where(), not a multiply: padding rows may hold anything (NaN included).
-        out = torch.where(valid[:, None], y.float() * weights[:, None], 0.0)
+        out = torch.where(valid[:, None], y * weights[:, None], 0.0)
+        return out.to(torch.bfloat16)
+
+    def forward_tokens(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                       x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The token layout's reply rows (fixed-size buffers, no host reads except ``"loop"``;
+        see the module docstring). ``x`` is only read (it may be a view of the receive
+        window).
+
+        Arguments:
+            x: [N, H] payload dtype (bfloat16 or float8_e4m3fn), one row per token (a
+                ``TokenReceived.x``; rows whose ids are all -1 may hold anything).
+            expert_ids: [N, k] int32 (or int64), local expert ids in [0, E_local), -1 for
+                columns this rank does not serve.
+            weights: [N, k] float32, the routing weight of each column (ignored where the id
+                is -1).
+            x_scales: [N, H/128] float32 for FP8 rows, else None.
+        Returns:
+            rows: [N, H] bfloat16, row r = sum over columns j with expert_ids[r, j] >= 0 of
+            weights[r, j] * swiglu_{expert_ids[r, j]}(x[r]), summed in fp32; zero for rows
+            without a local id.
+        """
+        n, k = expert_ids.shape
+        el, h, i = self.num_local_experts, self.hidden_size, self.intermediate_size
+        xc = dequantize_rows(x, x_scales, self.w13.dtype)
+        ids = expert_ids.to(torch.int64)
+        valid = (ids >= 0) & (ids < el)  # [N, k]
+        w = torch.where(valid, weights.to(torch.float32), 0.0)  # poisoned weights stay out
+        method = self.resolved_method()
+        if method == "dense":
+            # coef[r, e]: the weight of local expert e in row r (0: the row does not use it).
+            coef = torch.zeros(n, el, dtype=torch.float32, device=x.device)
+            coef = coef.scatter_add(1, torch.where(valid, ids, 0), w)
+            out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+            for e in range(el):
+                ye = swiglu(xc, self.w13[e, :i], self.w13[e, i:], self.w2[e]).float()
+                ce = coef[:, e:e + 1]
+                out = out + torch.where(ce != 0, ye * ce, 0.0)
+        else:
+            # The N*k entries sorted by local expert (invalid ones last): expert-major rows.
+            key = torch.where(valid, ids, el).reshape(-1)  # [N*k]
+            order = torch.argsort(key, stable=True)
+            key = key[order]
+            offsets = torch.searchsorted(
+                key, torch.arange(el + 1, device=x.device, dtype=key.dtype), out_int32=True)
+            rows = order // k  # [N*k]: the token row of each sorted entry
+            y = self._expert_rows(xc[rows], offsets, method)  # [N*k, H] float32
+            contrib = torch.where((key < el)[:, None], y * w.reshape(-1)[order][:, None], 0.0)
+            out = torch.zeros(n, h, dtype=torch.float32, device=x.device).index_add(
+                0, rows, contrib)
+        # Rows without a token may hold anything (NaN included): zero them.
+        out = torch.where(valid.any(dim=1)[:, None], out, 0.0)
         return out.to(torch.bfloat16)
 
 
@@ -280,7 +373,8 @@ class AfdMoE(torch.nn.Module):
 
     Args:
         buffer: an open ``torch_afdep.Buffer`` (create it first: it is collective). Its role
-            picks what this module holds; its config gives H, E, k and the layout.
+            picks what this module holds; its config gives H, E, k, the layout and the
+            receive layout (``"experts"`` or ``"tokens"``: which expert path the FFN runs).
         intermediate_size: I of every expert.
         bucket: static token bucket of every exchange (default: the capacity); Attention ranks
             pass at most this many tokens.
@@ -369,11 +463,21 @@ class AfdMoE(torch.nn.Module):
 
     # ---- FFN ----------------------------------------------------------------------------------
     def serve(self, *, slot: int = 0) -> torch.Tensor:
-        """FFN: receive the exchange on ``slot``, run the experts, reply. Returns the reply's
-        empty dependency token."""
+        """FFN: receive the exchange on ``slot``, run the experts (expert-major rows, or one
+        row per token in the token layout), reply.
+
+        Arguments:
+            slot: the micro-batch slot.
+        Returns:
+            done: [0] int32, the reply's dependency token.
+        """
         rec = afd_receive(group=self.group_name, buffer_id=self.buffer_id, bucket=self.bucket,
                           slot=slot)
-        rows = self.experts(rec.x, rec.weights, rec.expert_offsets, rec.x_scales)
+        if self.config.receive_layout == "tokens":
+            rows = self.experts.forward_tokens(rec.x, rec.expert_ids, rec.weights,
+                                               rec.x_scales)
+        else:
+            rows = self.experts(rec.x, rec.weights, rec.expert_offsets, rec.x_scales)
         return afd_reply(rows, rec.receipt, group=self.group_name, buffer_id=self.buffer_id)
 
     def forward(self, x: Optional[torch.Tensor] = None, *, slot: int = 0,

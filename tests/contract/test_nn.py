@@ -1,8 +1,9 @@
 """torch_afdep.nn on CPU with real processes: the AFD MoE block (router, dispatch, combine |
 receive, SwiGLU experts on DTensor-sharded weights, reply) eager with every expert method,
 under torch.compile(fullgraph=True) with one and two micro-batch slots, FP8 payloads, all
-against the single-process fp64 layer; the expert formulations against each other without a
-world; and the compiled MoE example. (On CUDA the layer is tested eager, compiled and in
+against the single-process fp64 layer, in both receive layouts (expert-major rows, and one
+row per token: Config(receive_layout="tokens")); the expert formulations against each other
+and the fp64 reference without a world, for both layouts; and the compiled MoE example. (On CUDA the layer is tested eager, compiled and in
 CUDA graphs by tests/gpu/test_cuda_graphs.py: DTensor experts on a CUDA mesh need NCCL, one
 rank per GPU.)"""
 
@@ -20,8 +21,11 @@ from tests.helpers import nn_bodies
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 
 
-def test_afd_moe_world():
-    ffn0, ffn1, attn = spawn_world(nn_bodies.nn_world_body, 3, timeout=240)
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_afd_moe_world(receive_layout):
+    ffn0, ffn1, attn = spawn_world(nn_bodies.nn_world_body, 3, "aot_eager", receive_layout,
+                                   timeout=240)
+    assert ffn0["layout"] == ffn1["layout"] == attn["layout"] == receive_layout
     assert ffn0["methods"] == ffn1["methods"] == ["grouped", "dense", "loop"]
     errs = attn["errors"]
     assert sorted(errs) == ["compiled", "compiled_two_slots", "eager_dense", "eager_grouped",
@@ -106,14 +110,139 @@ def test_router_and_fp8_helpers():
     assert dequantize_rows(q, s, torch.float32).shape == (4, 256)
 
 
-def test_compiled_moe_example(capsys):
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_compiled_moe_example(capsys, receive_layout):
     sys.path.insert(0, EXAMPLES)
     try:
         import compiled_moe
 
         assert compiled_moe.main(["--layout", "1A1F", "--steps", "2", "--tokens", "6",
-                                  "--device", "cpu"]) == 0  # inductor
+                                  "--device", "cpu", "--receive-layout",
+                                  receive_layout]) == 0  # inductor
     finally:
         sys.path.remove(EXAMPLES)
     out = capsys.readouterr().out
     assert "PASS" in out and "fullgraph" in out
+    assert f"{receive_layout} receive layout" in out
+
+
+# ---- the token layout's expert path, without a world -----------------------------------------
+def _token_received(n_rows, k, el, hidden, seed, fp8=False):
+    """A synthetic TokenReceived-like (x, x_scales, expert_ids, weights): fresh random rows,
+    local ids in [0, el) or -1 (each id at most once per row, as the receive gives them),
+    every third row without a token; rows without a token hold NaN payload (FP8: NaN
+    scales), and the weights of -1 columns are NaN (poison: neither may reach the output)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.rand(n_rows, el, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+    drop = torch.rand(n_rows, k, generator=g) < 0.3
+    ids = torch.where(drop, torch.full_like(perm, -1), perm)
+    empty = torch.arange(n_rows) % 3 == 1
+    ids[empty] = -1
+    w = torch.rand(n_rows, k, generator=g) + 0.1
+    w[ids < 0] = float("nan")
+    x32 = torch.randn(n_rows, hidden, generator=g)
+    if fp8:
+        from torch_afdep.nn import quantize_fp8
+
+        x, scales = quantize_fp8(x32)
+        scales[empty] = float("nan")
+    else:
+        x, scales = x32.bfloat16(), None
+        x[empty] = float("nan")
+    return x, scales, ids, w
+
+
+def _token_reference(ex, x, scales, ids, w):
+    """fp64: row r = sum_j [ids[r, j] >= 0] w[r, j] swiglu_{ids[r, j]}(x[r]) (0 elsewhere)."""
+    from torch_afdep import reference as ref
+    from torch_afdep.nn import swiglu
+
+    xd = ref.dequantize(x, scales)
+    i = ex.intermediate_size
+    out = torch.zeros(x.shape[0], ex.hidden_size, dtype=torch.float64)
+    for r, j in (ids >= 0).nonzero().tolist():
+        e = int(ids[r, j])
+        y = swiglu(xd[r:r + 1], ex.w13[e, :i].double(), ex.w13[e, i:].double(),
+                   ex.w2[e].double())
+        out[r] += float(w[r, j]) * y[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_token_expert_methods_agree(dtype, fp8):
+    """forward_tokens with every formulation against the fp64 reference, poisoned rows and
+    weights kept out, and against the expert layout's forward on the same entries expanded
+    expert-major (the two layouts give the same layer)."""
+    from torch_afdep.nn import SwiGLUExperts
+
+    torch.manual_seed(11)
+    el, k, n, h = 4, 3, 21, 128
+    ex = SwiGLUExperts(el, h, 32, dtype=dtype)
+    x, scales, ids, w = _token_received(n, k, el, h, 3 + fp8, fp8)
+    want = _token_reference(ex, x, scales, ids, w)
+    has = (ids >= 0).any(dim=1)
+    assert int(has.sum()) >= n // 2 and bool((~has).any())
+    # The expert layout of the same entries: rows grouped by expert, NaN padding past them.
+    tok, col = (ids >= 0).nonzero(as_tuple=True)
+    order = torch.argsort(ids[tok, col].to(torch.int64), stable=True)
+    tok, col = tok[order], col[order]
+    counts = torch.bincount(ids[tok, col].to(torch.int64), minlength=el)
+    offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    pad = 5
+    xe = torch.cat([x[tok], x[:pad].clone().fill_(float("nan"))])
+    se = None if scales is None else torch.cat([scales[tok], torch.ones(pad, h // 128)])
+    we = torch.cat([w[tok, col], torch.full((pad,), float("nan"))])
+    tol = 2e-2 if dtype == torch.float32 else 4e-2
+    for m in ("grouped", "dense", "loop"):
+        ex.method = m
+        out = ex.forward_tokens(x, ids, w, scales)
+        assert out.dtype == torch.bfloat16 and out.shape == (n, h), m
+        assert torch.isfinite(out).all(), m
+        assert bool((out[~has] == 0).all()), m  # rows without a token are zeros
+        err = (out.double() - want).norm() / want.norm()
+        assert err < tol, (m, float(err))
+        rows = ex(xe, we, offs, se).double()  # expert layout: one weighted row per entry
+        summed = torch.zeros(n, h, dtype=torch.float64).index_add_(0, tok, rows[:len(tok)])
+        assert (out.double() - summed).norm() / summed.norm() < tol, m
+    if dtype == torch.bfloat16:  # every formulation computes the same thing
+        ex.method = "loop"
+        ref_out = ex.forward_tokens(x, ids, w, scales)
+        for m in ("grouped", "dense"):
+            ex.method = m
+            torch.testing.assert_close(ex.forward_tokens(x, ids, w, scales), ref_out,
+                                       rtol=2e-2, atol=2e-2)
+
+
+def test_token_path_compiles_without_host_reads():
+    """fullgraph compile of forward_tokens with grouped and dense (fixed-size N*k entries, no
+    host reads); the graph of grouped holds the grouped GEMM, the sort and the index_add."""
+    from torch_afdep.nn import SwiGLUExperts
+
+    ex = SwiGLUExperts(3, 128, 16, dtype=torch.bfloat16)
+    x, _, ids, w = _token_received(14, 2, 3, 128, 9)
+    want = _token_reference(ex, x, None, ids, w)
+    for m in ("grouped", "dense"):
+        ex.method = m
+        codes = []
+
+        def recording(gm, example_inputs):
+            codes.append(gm.code)
+            return gm.forward
+
+        fn = torch.compile(ex.forward_tokens, fullgraph=True, backend=recording)
+        got = fn(x, ids, w)
+        assert len(codes) == 1, m
+        if m == "grouped":
+            assert all(op in codes[0] for op in ("_grouped_mm", "argsort", "index_add")), m
+        assert torch.isfinite(got).all(), m
+        assert (got.double() - want).norm() / want.norm() < 4e-2, m
+        # A second input of the same shapes reuses the graph (static shapes).
+        x2, _, ids2, w2 = _token_received(14, 2, 3, 128, 10)
+        got2 = fn(x2, ids2, w2)
+        assert len(codes) == 1, m
+        want2 = _token_reference(ex, x2, None, ids2, w2)
+        assert (got2.double() - want2).norm() / want2.norm() < 4e-2, m
+    ex.method = "loop"
+    with pytest.raises(Exception):
+        torch.compile(ex.forward_tokens, fullgraph=True, backend="aot_eager")(x, ids, w)

@@ -33,15 +33,16 @@ def nn_tokens(cfg, a, step, t):
     return torch.randn(t, cfg.hidden_size, generator=g).bfloat16().float()
 
 
-def nn_world_body(rank, world, backend="aot_eager"):
+def nn_world_body(rank, world, backend="aot_eager", receive_layout="experts"):
     """AfdMoE on 1A2F with expert weights as DTensors over the FFN mesh: eager with every
     expert method, compiled fullgraph (one and two micro-batch slots), FP8 payloads; the
-    Attention rank checks every output against the single-process fp64 layer."""
+    Attention rank checks every output against the single-process fp64 layer.
+    ``receive_layout`` is the buffers' ``Config.receive_layout`` (the FFN's expert path)."""
     torch.set_num_threads(1)  # several ranks share few cores
     from torch_afdep.distributed import role_meshes, shard_experts
     from torch_afdep.nn import AfdMoE, quantize_fp8, reference_layer, reference_moe
 
-    cfg = Config(**NN_CFG)
+    cfg = Config(**NN_CFG, receive_layout=receive_layout)
     meshes = role_meshes(cfg, "cpu")
     buf = Buffer(None, cfg, device="cpu")
     router_w, w1, w3, w2 = nn_weights(cfg, NN_INTER)
@@ -61,7 +62,7 @@ def nn_world_body(rank, world, backend="aot_eager"):
 
         return lookup_backend(backend)(gm, example_inputs)
 
-    res = {"role": buf.role, "errors": {}, "methods": []}
+    res = {"role": buf.role, "errors": {}, "methods": [], "layout": buf.config.receive_layout}
     a = buf.role_index
 
     def check(name, x, out, ids, w):
@@ -124,11 +125,11 @@ def nn_world_body(rank, world, backend="aot_eager"):
         check("compiled_two_slots", x1, o1, ids1, wt1)
     res["graphs"] = len(graphs)
     res["grouped_in_graphs"] = ["_grouped_mm" in g for g in graphs]
-    assert all(p == "idle" for p in buf._slot_phase)
+    assert all(buf.phase(s) == "idle" for s in range(buf.num_slots))
     buf.close()
 
     # FP8 payloads (quantized per 128 on the Attention rank), float32 parameters.
-    cfg8 = Config(**{**NN_CFG, "dtype": torch.float8_e4m3fn})
+    cfg8 = Config(**{**NN_CFG, "dtype": torch.float8_e4m3fn}, receive_layout=receive_layout)
     buf8 = Buffer(None, cfg8, device="cpu")
     moe8 = AfdMoE(buf8, NN_INTER, dtype=torch.float32)
     moe8.load_weights(router_w, w1, w3, w2)

@@ -1,5 +1,6 @@
 """Spawned-world body and stand-in config of the vLLM connector tests (the plugin's call
-sequence on 1A2F, CPU); the CUDA-graph connector body is in ``graph_bodies``."""
+sequence on 1A2F, CPU, in either receive layout); the CUDA-graph connector body is in
+``graph_bodies``."""
 
 from __future__ import annotations
 
@@ -41,11 +42,14 @@ def vllm_tokens(a, step, ub, t, hidden=128):
     return torch.randn(t, hidden, generator=g).bfloat16().float()
 
 
-def vllm_world_body(rank, world, steps=3):
+def vllm_world_body(rank, world, steps=3, receive_layout="experts"):
     """Replay the AFD plugin's call sequence on 1A2F: two micro-batches ping-ponged over
     several layers, a warm-up step, then a "capture" phase with static inputs and outputs
-    (the connector's preallocated per-slot output, and an engine-owned output tensor). Every
-    layer's output is checked against the single-process fp64 MoE of that layer."""
+    (the connector's preallocated per-slot output, and an engine-owned output tensor, both
+    poisoned with NaN before each receive). Every layer's output is checked against the
+    single-process fp64 MoE of that layer. ``receive_layout`` goes to the connector's
+    extra config; with ``"tokens"`` the FFN side checks the token-major hidden states and
+    routing context it gets and replies one row per token (rows without a token NaN)."""
     torch.set_num_threads(1)  # several ranks share few cores
     from torch_afdep import AfdepStateError
     from torch_afdep.integrations.vllm import AfdepConnector
@@ -53,8 +57,9 @@ def vllm_world_body(rank, world, steps=3):
 
     role = "ffn" if rank < 2 else "attention"
     idx = rank if role == "ffn" else rank - 2
-    conn = AfdepConnector(rank, 0, fake_vllm_config(role, idx, num_attention=world - 2))
-    res = {"role": role, "errors": [], "messages": []}
+    conn = AfdepConnector(rank, 0, fake_vllm_config(role, idx, num_attention=world - 2,
+                                                    receive_layout=receive_layout))
+    res = {"role": role, "errors": [], "messages": [], "problems": []}
 
     def expect(exc, frag, fn, *a, **k):
         try:
@@ -69,6 +74,7 @@ def vllm_world_body(rank, world, steps=3):
            if role == "attention" else conn.recv_attn_output)
     conn.init_afd_connector()
     assert conn.is_initialized and conn.buffer.config.num_slots == VLLM_UBATCHES
+    assert conn.buffer.config.receive_layout == receive_layout
     weights = [vllm_layer_weights(l) for l in range(VLLM_LAYERS)]
     L, U = VLLM_LAYERS, VLLM_UBATCHES
     if role == "attention":
@@ -108,6 +114,9 @@ def vllm_world_body(rank, world, steps=3):
                                                      "topk_weights": layer_in[0][2]}, 0)
             for layer in range(L):
                 for ub in range(U):
+                    if capture:  # poison: the receive must overwrite every row it returns
+                        engine_out.fill_(float("nan"))
+                        conn._outputs.fill_(float("nan"))
                     if capture and ub == 1:
                         out = conn.recv_ffn_output(engine_out, ubatch_idx=ub)
                         assert out is engine_out
@@ -143,6 +152,20 @@ def vllm_world_body(rank, world, steps=3):
                     seen.append((meta.layer_idx, meta.ubatch_idx))
                     assert meta.local_expert_start == idx * el
                     ex = experts[meta.layer_idx]
+                    if receive_layout == "tokens":
+                        res["problems"] += _check_token_meta(conn, rows, meta)
+                        y = ex.forward_tokens(rows, meta.topk_ids, meta.topk_weights,
+                                              meta.x_scales)
+                        y[~meta.token_mask()] = float("nan")  # poison: must not be sent
+                        if step == 0 and layer == 0 and ub == 0:
+                            meta.weights_applied = False
+                            expect(ValueError, "cannot be honored", conn.send_ffn_output, y,
+                                   meta)
+                            meta.weights_applied = True
+                            expect(ValueError, "one row per received row",
+                                   conn.send_ffn_output, y[:-1], meta)
+                        conn.send_ffn_output(y, meta, ubatch_idx=ub)
+                        continue
                     if layer % 2:  # the model applies the weights itself
                         y = ex(rows, meta.topk_weights, meta.expert_offsets, meta.x_scales)
                         meta.weights_applied = True
@@ -154,3 +177,36 @@ def vllm_world_body(rank, world, steps=3):
     conn.close()
     conn.close()  # idempotent
     return res
+
+
+def _check_token_meta(conn, rows, meta):
+    """What a token-layout receive gives the FFN runner: token-major hidden states [N, H],
+    local ids [N, k] in [-1, E_local), weights 0 where the id is -1, one source token per
+    row with a token and -1 elsewhere, num_tokens tokens in all. Returns problems."""
+    cfg = conn.config
+    n, k, el = cfg.token_rows(conn.bucket), cfg.top_k, cfg.experts_per_rank
+    problems = []
+    if meta.receive_layout != "tokens" or meta.expert_offsets is not None:
+        problems.append(f"layout {meta.receive_layout!r}, offsets {meta.expert_offsets}")
+    if tuple(rows.shape) != (n, cfg.hidden_size) or rows.dtype != torch.bfloat16:
+        return problems + [f"hidden states {tuple(rows.shape)} {rows.dtype}"]
+    ids, w = meta.topk_ids, meta.topk_weights
+    if tuple(ids.shape) != (n, k) or ids.dtype != torch.int32 or tuple(w.shape) != (n, k):
+        return problems + [f"ids {tuple(ids.shape)} {ids.dtype}, weights {tuple(w.shape)}"]
+    if bool(((ids < -1) | (ids >= el)).any()):
+        problems.append(f"ids out of [-1, {el}): {ids.tolist()}")
+    if not bool((w[ids < 0] == 0).all()) or not bool((w[ids >= 0] > 0).all()):
+        problems.append("weights not 0 exactly where the id is -1")
+    mask = meta.token_mask()
+    if int(mask.sum()) != int(meta.num_tokens.sum()):
+        problems.append(f"{int(mask.sum())} rows with a token, num_tokens "
+                        f"{meta.num_tokens.tolist()}")
+    if not bool((meta.src_token[~mask] == -1).all()) or bool((meta.src_token[mask] < 0).any()):
+        problems.append("src_token is not -1 exactly on rows without a token")
+    g = meta.global_topk_ids()
+    want = torch.where(ids >= 0, ids + meta.local_expert_start, -1)
+    if not torch.equal(g, want):
+        problems.append("global_topk_ids differ")
+    if not bool(torch.isfinite(rows[mask].float()).all()):
+        problems.append("a token's hidden state is not finite")
+    return problems

@@ -1,5 +1,6 @@
-"""The main job runs end to end (CPU here) and reports a passing check; layouts and roles are
-parsed by torch_afdep.config; bad ones and GPUs shared without MPS end in argparse errors."""
+"""The main job runs end to end (CPU here) and reports a passing check, in both receive
+layouts; layouts and roles are parsed by torch_afdep.config; bad ones and GPUs shared without
+MPS end in argparse errors."""
 
 import os
 import subprocess
@@ -18,6 +19,36 @@ def test_demo_1a1f_roles_af(capsys):
     out = capsys.readouterr().out
     assert "1A1F (roles AF) on cpu" in out and "PASS" in out
     assert "attention 0: max rel. error" in out
+
+
+def test_demo_token_layout_2a2f(capsys):
+    """--receive-layout tokens: checked against the fp64 reference (PASS), and each FFN rank
+    reports exactly the tokens that reach it, counted here from the demo's own routing."""
+    steps, tokens = 2, 5
+    assert demo.main(["--layout", "2A2F", "--receive-layout", "tokens", "--steps", str(steps),
+                      "--tokens", str(tokens), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens receive layout" in out and "PASS" in out
+    el = demo.EXPERTS // 2
+    for f in range(2):
+        want = []
+        for step in range(steps):
+            n = 0
+            for a in range(2):
+                ids, _ = demo.route(demo._tokens(a, step, tokens))
+                n += int(((ids // el) == f).any(dim=1).sum())
+            want.append(n)
+        assert f"  ffn {f}: tokens per step {want}" in out, (want, out)
+    errors = [float(line.split("max rel. error ")[1].split(",")[0])
+              for line in out.splitlines() if line.startswith("  attention")]
+    assert len(errors) == 2 and all(e < 2e-2 for e in errors), out
+
+
+def test_demo_rejects_an_unknown_receive_layout(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--receive-layout", "rows", "--device", "cpu"])
+    assert e.value.code == 2
+    assert "argument --receive-layout: invalid choice: 'rows'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -80,6 +111,7 @@ def test_alias_modules():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "--allow-shared-gpu" in p.stdout and "--roles" in p.stdout
+    assert "--receive-layout" in p.stdout
 
 
 def test_swiglu_reference_matches_manual():

@@ -268,8 +268,11 @@ def test_unknown_afdep_variable_is_a_warning(clean_env, capsys):
 
 
 def test_selftest_failure_gives_its_error(clean_env, capsys):
+    layouts = []
+
     def failing(fn, world, *args, **kwargs):
-        assert fn is doctor.selftest_body and world == 2 and args == ("cpu",)
+        assert fn is doctor.selftest_body and world == 2 and args[0] == "cpu"
+        layouts.append(args[1])
         raise WorldError("\n--- rank 1 failed:\nTraceback (most recent call last):\n  File "
                          "\"x.py\", line 1\nAfdepTimeoutError: rank 1: combine waited more "
                          "than 30.0 s for group rank 0\n")
@@ -278,9 +281,11 @@ def test_selftest_failure_gives_its_error(clean_env, capsys):
     rc = doctor.main([])
     out = capsys.readouterr().out
     assert rc == 1
-    assert ("- self-test failed: cpu 1A1F: rank 1: AfdepTimeoutError: rank 1: combine waited "
-            "more than 30.0 s for group rank 0") in out
-    assert row(out, "cpu").startswith("FAIL after")
+    assert layouts == ["experts", "tokens"]  # one world per receive layout
+    for layout in layouts:
+        assert (f"- self-test failed: cpu 1A1F, {layout} layout: rank 1: AfdepTimeoutError: "
+                "rank 1: combine waited more than 30.0 s for group rank 0") in out
+        assert row(out, f"cpu {layout}").startswith("FAIL after")
 
 
 def test_selftest_wrong_numbers_fail(clean_env, capsys):
@@ -292,11 +297,32 @@ def test_selftest_wrong_numbers_fail(clean_env, capsys):
     rc = doctor.main(["--json"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 1
-    cpu = d["selftest"]["cpu"]
-    assert cpu["ran"] and not cpu["ok"] and cpu["max_rel_error"] == 0.5
-    assert "combined output differs from the reference" in cpu["error"]
-    assert "per-expert counts differ" in cpu["error"]
-    assert d["problems"][0].startswith("self-test failed: cpu 1A1F: ")
+    assert d["selftest"]["cpu"]["ran"] and not d["selftest"]["cpu"]["ok"]
+    for layout in ("experts", "tokens"):
+        cpu = d["selftest"]["cpu"]["layouts"][layout]
+        assert cpu["ran"] and not cpu["ok"] and cpu["max_rel_error"] == 0.5
+        assert cpu["receive_layout"] == layout
+        assert "combined output differs from the reference" in cpu["error"]
+        assert "per-expert counts differ" in cpu["error"]
+    assert [p.split(":")[1] for p in d["problems"]] == [" cpu 1A1F, experts layout",
+                                                         " cpu 1A1F, tokens layout"]
+
+
+def test_selftest_reports_each_layout(clean_env, capsys):
+    """Only the token layout fails: one problem naming it, the expert layout still passes."""
+    def tokens_wrong(fn, world, device_kind, layout, **kwargs):
+        err = 0.3 if layout == "tokens" else 0.002
+        return [{"role": "ffn", "errors": [], "counts_ok": [True, True]},
+                {"role": "attention", "errors": [0.001, err], "counts_ok": []}]
+
+    clean_env.setattr(doctor, "_spawn", tokens_wrong)
+    rc = doctor.main([])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert row(out, "cpu experts").startswith("PASS: 2 exchanges, max rel. error 2.00e-03")
+    assert row(out, "cpu tokens").startswith("FAIL after")
+    assert out.count("- self-test failed:") == 1
+    assert "- self-test failed: cpu 1A1F, tokens layout: combined output differs" in out
 
 
 def test_fake_gpus_peer_access_transport_and_nvls(clean_env, capsys):
@@ -372,10 +398,13 @@ def test_subprocess_with_selftest():
     assert p.returncode == 0, p.stdout + p.stderr
     d = json.loads(p.stdout)
     assert d["ok"] is True and d["problems"] == []
-    cpu = d["selftest"]["cpu"]
-    assert cpu["ran"] and cpu["ok"], cpu
-    assert cpu["exchanges"] == 2 and cpu["max_rel_error"] < 1e-2
-    print(f"doctor self-test: {cpu['seconds']} s, max rel. error {cpu['max_rel_error']:.2e}")
+    assert d["selftest"]["cpu"]["ran"] and d["selftest"]["cpu"]["ok"], d["selftest"]
+    assert set(d["selftest"]["cpu"]["layouts"]) == {"experts", "tokens"}
+    for layout, cpu in d["selftest"]["cpu"]["layouts"].items():
+        assert cpu["ran"] and cpu["ok"] and cpu["receive_layout"] == layout, cpu
+        assert cpu["exchanges"] == 2 and cpu["max_rel_error"] < 1e-2
+        print(f"doctor self-test ({layout}): {cpu['seconds']} s, max rel. error "
+              f"{cpu['max_rel_error']:.2e}")
     if not torch.cuda.is_available():
         assert d["selftest"]["cuda"] == {"ran": False, "reason": "no GPU"}
 
@@ -388,9 +417,11 @@ def _cuda_ready():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA GPU and torch_afdep._cuda")
-def test_cuda_selftest_on_gpus(clean_env):
-    res = doctor.run_selftest("cuda")
+@pytest.mark.parametrize("layout", ["experts", "tokens"])
+def test_cuda_selftest_on_gpus(clean_env, layout):
+    res = doctor.run_selftest("cuda", receive_layout=layout)
     assert res["ok"], res
+    assert res["receive_layout"] == layout
     n = torch.cuda.device_count()
     assert res["device_ids"] == [0, 1 % n]
     assert res["max_rel_error"] < 1e-2
@@ -424,7 +455,7 @@ def test_transport_selection(clean_env):
 
     assert transport_kind({}) == "ipc"
     assert transport_kind({"AFDEP_TRANSPORT": " NCCL "}) == "nccl"
-    with pytest.raises(ValueError, match=r"AFDEP_TRANSPORT must be one of \['ipc', 'nccl'\], "
+    with pytest.raises(ValueError, match=r"AFDEP_TRANSPORT must be one of ipc, nccl, "
                                          r"got 'shm'"):
         transport_kind({"AFDEP_TRANSPORT": "shm"})
     assert "AFDEP_TRANSPORT" in doctor.OTHER_AFDEP_ENV

@@ -1,6 +1,7 @@
 """The vLLM AFD-plugin connector (torch_afdep.integrations.vllm) on CPU: the plugin's call
 sequence replayed on a 1A2F world (two micro-batches, several layers, warm-up then a
-"capture" phase on static tensors), settings parsing, registration with a stand-in factory
+"capture" phase on static tensors) in both receive layouts (expert-major rows; token-major
+hidden states with their routing context, one reply row per token), settings parsing, registration with a stand-in factory
 that loads connectors the way the plugin does, no vLLM import, and the example engine loop."""
 
 import importlib
@@ -19,8 +20,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLES = os.path.join(REPO, "examples")
 
 
-def test_plugin_call_sequence_1a2f():
-    results = spawn_world(_bodies.vllm_world_body, 3, timeout=240)
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_plugin_call_sequence_1a2f(receive_layout):
+    results = spawn_world(_bodies.vllm_world_body, 3, 3, receive_layout, timeout=240)
     ffn, attn = results[:2], results[2:]
     n = 3 * 3 * 2  # steps x layers x micro-batches
     for r in attn:
@@ -29,7 +31,9 @@ def test_plugin_call_sequence_1a2f():
         assert r["stable_outputs"] == {0: 1}
         assert len(r["messages"]) == 5
     for r in ffn:
-        assert len(r["messages"]) == 2
+        assert not r["problems"], r["problems"][:5]
+        # tokens: also weights_applied=False and a wrong row count are refused
+        assert len(r["messages"]) == (4 if receive_layout == "tokens" else 2), r["messages"]
 
 
 def test_no_vllm_import_at_load():
@@ -53,6 +57,18 @@ def test_settings_from_plugin_config():
     assert cfg.num_slots == 2 and cfg.attention_ranks == 2 and cfg.capacity_tokens_per_rank == 8
     ffn = parse_settings(_bodies.fake_vllm_config("ffn", 0))
     assert ffn.group_rank == 0
+    assert ffn.receive_layout == "experts" and ffn.afdep_config().receive_layout == "experts"
+
+
+def test_receive_layout_setting():
+    """extra_config receive_layout reaches the Config; anything else is refused by name."""
+    from torch_afdep.integrations.vllm import parse_settings
+
+    s = parse_settings(_bodies.fake_vllm_config("ffn", 1, receive_layout="tokens"))
+    assert s.receive_layout == "tokens" and s.afdep_config().receive_layout == "tokens"
+    with pytest.raises(ValueError, match=r"extra_config\['receive_layout'\] must be one of "
+                                         r"\['experts', 'tokens'\], got 'rows'"):
+        parse_settings(_bodies.fake_vllm_config("ffn", 1, receive_layout="rows"))
 
 
 def test_settings_from_in_tree_afd_config():
@@ -158,14 +174,17 @@ def test_register_with_a_plugin_like_factory():
         mod._vllm_classes()  # neither the plugin nor vLLM is installed here
 
 
-def test_vllm_connector_loop_example(capsys):
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_vllm_connector_loop_example(capsys, receive_layout):
     sys.path.insert(0, EXAMPLES)
     try:
         import vllm_connector_loop
 
         assert vllm_connector_loop.main(["--layout", "1A1F", "--layers", "2",
-                                         "--steps", "2"]) == 0
+                                         "--steps", "2", "--receive-layout",
+                                         receive_layout]) == 0
     finally:
         sys.path.remove(EXAMPLES)
     out = capsys.readouterr().out
     assert "PASS" in out and "ubatch" in out
+    assert f"{receive_layout} receive layout" in out

@@ -11,6 +11,7 @@ result back through a *connector* object. ``AfdepConnector`` implements that con
     # FFN ranks
     rows, meta = conn.recv_attn_output(ubatch_idx=ub)                         # receive
     conn.send_ffn_output(expert_rows, meta, ubatch_idx=ub)                    # reply
+    # (receive_layout "tokens": rows are token-major hidden states, the reply one row each)
 
 Method signatures follow the plugin's ``AFDConnectorBase`` (vLLM ``afd_transfer`` base with
 ``ubatch_idx``): ``__init__(rank, local_rank, config[, afd_config])``, ``init_afd_connector()``,
@@ -27,7 +28,8 @@ What this connector assumes (the plugin leaves these to the connector):
   carry ``ubatch_idx`` (else ``stage_idx``), ``layer_idx`` and, for FP8 payloads already
   quantized, ``scale`` ``[T, H/128]`` float32 (BF16/other float hidden states are cast, or
   quantized per 128 elements when the exchange is FP8).
-- **FFN ranks get expert-major rows, not tokens.** ``recv_attn_output`` returns
+- **FFN ranks get expert-major rows by default** (``extra_config["receive_layout"] =
+  "experts"``). ``recv_attn_output`` returns
   ``(rows [A*bucket*R, H], AfdepFfnMetadata)``: rows grouped by local expert, with
   ``expert_offsets``, each row's routing weight ``topk_weights``, ``x_scales`` (FP8), the
   ``layer_idx`` (counted per micro-batch slot, modulo ``num_layers`` when known) and the
@@ -37,6 +39,20 @@ What this connector assumes (the plugin leaves these to the connector):
   same metadata. The connector multiplies each row by its routing weight unless the model did
   and set ``metadata.weights_applied = True``; it then sums each token's rows and sends one
   row per token back.
+- **Or token-major hidden states** (``extra_config["receive_layout"] = "tokens"``, the
+  ``Config.receive_layout`` of the exchange): ``recv_attn_output`` returns
+  ``(hidden_states [N, H], AfdepFfnMetadata)`` with N = ``Config.token_rows(bucket)``
+  (static), one row per token that reached this FFN rank, which is what an FFN model runner's
+  fused MoE takes, with the routing context: ``topk_ids`` ``[N, k]`` int32 *local* expert
+  ids in ``[0, num_local_experts)`` in the source's column order, -1 for columns this rank
+  does not serve (``global_topk_ids()`` gives global ids, -1 kept), ``topk_weights``
+  ``[N, k]`` float32 (0 where the id is -1), ``x_scales`` (FP8), ``src_rank`` /
+  ``src_token`` ``[N]`` and ``num_tokens`` ``[A]``; rows without a token have every id -1
+  (``metadata.token_mask()``) and unspecified contents. ``hidden_states`` is a view of the
+  receive window: read it, never write it (run the MoE out of place), valid until
+  ``send_ffn_output``. ``send_ffn_output`` takes ``[N, H]``, row i = the token's MoE output
+  (its local experts' outputs weighted by ``topk_weights`` and summed: the routing weights
+  must be applied by the model; rows without a token are ignored) and sends it back as is.
 - **ubatch_idx selects a micro-batch slot** (``num_ubatches`` is the Buffer API's
   ``Config.num_slots``; the extra config takes either name): up to that many exchanges are in
   flight at once; a slot is reused only after its exchange finished
@@ -60,8 +76,8 @@ as ``torch_afdep.config.parse_layout`` reads it: Attention ranks, then FFN ranks
 micro-batch; default ``scheduler_config.max_num_batched_tokens``), ``num_ubatches`` (or its
 Buffer API name ``num_slots``, the same setting; default ``num_afd_stages`` or 2),
 ``bucket``, ``hidden_size``, ``num_experts``, ``top_k``, ``num_layers``, ``dtype``
-(``"bfloat16"`` | ``"float8_e4m3fn"``), ``num_sms``, ``timeout_s``, ``device`` (``"cuda"`` |
-``"cpu"``). AFD group ranks: FFN ranks ``[0, F)`` then Attention ranks
+(``"bfloat16"`` | ``"float8_e4m3fn"``), ``receive_layout`` (``"experts"``, the default, |
+``"tokens"``), ``num_sms``, ``timeout_s``, ``device`` (``"cuda"`` | ``"cpu"``). AFD group ranks: FFN ranks ``[0, F)`` then Attention ranks
 ``[F, F+A)``, each at ``afd_role_rank`` within its role.
 
 Example (AFD plugin: register the name, then select it)::
@@ -93,7 +109,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops as _ops
-from ..config import ATTENTION, FFN, Config, parse_layout, parse_roles
+from ..config import ATTENTION, FFN, RECEIVE_LAYOUTS, Config, parse_layout, parse_roles
 from ..errors import AfdepStateError
 
 CONNECTOR_NAME = "afdep"
@@ -118,15 +134,24 @@ class AfdepSendHandle:
 class AfdepFfnMetadata:
     """The metadata ``recv_attn_output`` returns on FFN ranks; pass it to ``send_ffn_output``.
 
-    expert_offsets [E_local+1] int32: rows of local expert e are
-    ``rows[expert_offsets[e]:expert_offsets[e+1]]`` (global expert ``local_expert_start + e``);
-    topk_weights [N] float32: each row's routing weight; x_scales [N, H/128] float32 (FP8) or
-    None; src_rank / src_token [N] int32: each row's source; receipt: the exchange's receipt.
-    Set ``weights_applied = True`` when the model already multiplied rows by topk_weights."""
+    Expert layout (``receive_layout == "experts"``), N = A*bucket*R rows: expert_offsets
+    [E_local+1] int32: rows of local expert e are ``rows[expert_offsets[e]:expert_offsets[e+1]]``
+    (global expert ``local_expert_start + e``); topk_weights [N] float32: each row's routing
+    weight; topk_ids None. Set ``weights_applied = True`` when the model already multiplied
+    rows by topk_weights.
+
+    Token layout (``receive_layout == "tokens"``), N = ``Config.token_rows(bucket)`` rows, one
+    per token: topk_ids [N, k] int32 local expert ids in [0, num_local_experts) or -1;
+    topk_weights [N, k] float32 (0 where the id is -1); num_tokens [A] int32 tokens from each
+    Attention rank; expert_offsets None; weights_applied is True (the model's rows are the
+    weighted sums; the connector cannot apply weights to them).
+
+    Both: x_scales [N, H/128] float32 (FP8) or None; src_rank / src_token [N] int32: each
+    row's source (-1: a token-layout row without a token); receipt: the exchange's receipt."""
 
     layer_idx: int
     ubatch_idx: int
-    expert_offsets: torch.Tensor
+    expert_offsets: Optional[torch.Tensor]
     topk_weights: torch.Tensor
     x_scales: Optional[torch.Tensor]
     src_rank: torch.Tensor
@@ -135,10 +160,35 @@ class AfdepFfnMetadata:
     local_expert_start: int
     num_local_experts: int
     weights_applied: bool = False
+    receive_layout: str = "experts"
+    topk_ids: Optional[torch.Tensor] = None
+    num_tokens: Optional[torch.Tensor] = None
 
     @property
     def stage_idx(self) -> int:
         return self.ubatch_idx
+
+    def token_mask(self) -> torch.Tensor:
+        """Token layout: which rows hold a token.
+
+        Returns:
+            mask: [N] bool, True where the row has at least one local expert id.
+        """
+        if self.topk_ids is None:
+            raise ValueError("token_mask() is for the token layout (receive_layout='tokens')")
+        return (self.topk_ids >= 0).any(dim=1)
+
+    def global_topk_ids(self) -> torch.Tensor:
+        """Token layout: ``topk_ids`` as global expert ids.
+
+        Returns:
+            ids: [N, k] int32, ``local_expert_start + topk_ids`` where topk_ids >= 0, else -1.
+        """
+        if self.topk_ids is None:
+            raise ValueError("global_topk_ids() is for the token layout "
+                             "(receive_layout='tokens')")
+        return torch.where(self.topk_ids >= 0, self.topk_ids + self.local_expert_start,
+                           self.topk_ids)
 
 
 # ---- settings -------------------------------------------------------------------------------
@@ -169,6 +219,7 @@ class ConnectorSettings:
     num_layers: Optional[int] = None
     bucket: Optional[int] = None
     dtype: torch.dtype = torch.bfloat16
+    receive_layout: str = "experts"
     device: Optional[str] = None
     num_sms: int = 24
     timeout_s: float = 100.0
@@ -191,7 +242,7 @@ class ConnectorSettings:
                       top_k=self.top_k, ffn_ranks=self.num_ffn_ranks,
                       attention_ranks=self.num_attention_ranks, dtype=self.dtype,
                       num_sms=self.num_sms, timeout_s=self.timeout_s,
-                      num_slots=self.num_ubatches)
+                      num_slots=self.num_ubatches, receive_layout=self.receive_layout)
 
 
 def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
@@ -258,6 +309,10 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
                              f"got {dtype!r}")
         dtype = _DTYPES[dtype]
     layers = extra.get("num_layers", _get(hf, "num_hidden_layers"))
+    layout = extra.get("receive_layout", "experts")
+    if layout not in RECEIVE_LAYOUTS:
+        raise ValueError(f"extra_config['receive_layout'] must be one of "
+                         f"{list(RECEIVE_LAYOUTS)}, got {layout!r}")
     return ConnectorSettings(
         role=role, num_attention_ranks=int(n_att), num_ffn_ranks=int(n_ffn),
         role_rank=int(_get(afd, "afd_role_rank", default=extra.get("afd_role_rank", rank))),
@@ -268,7 +323,8 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
         num_ubatches=int(ubatches),
         num_layers=None if layers is None else int(layers),
         bucket=None if extra.get("bucket") is None else int(extra["bucket"]),
-        dtype=dtype, device=extra.get("device"), num_sms=int(extra.get("num_sms", 24)),
+        dtype=dtype, receive_layout=layout, device=extra.get("device"),
+        num_sms=int(extra.get("num_sms", 24)),
         timeout_s=float(extra.get("timeout_s", 100.0)),
         host=str(_get(afd, "host", "afd_host", default="127.0.0.1")),
         port=int(_get(afd, "port", "afd_port", default=29600)))
@@ -482,8 +538,18 @@ class AfdepConnector:
     def recv_attn_output(self, timeout_ms: Optional[int] = None,
                          ubatch_idx: Optional[int] = None):
         """Receive slot ``ubatch_idx`` (default: the next slot in turn) from every Attention
-        rank: ``(rows [A*bucket*R, H], AfdepFfnMetadata)``, rows grouped by local expert.
-        ``timeout_ms`` is ignored (``timeout_s`` bounds every wait)."""
+        rank.
+
+        Arguments:
+            timeout_ms: ignored (``timeout_s`` bounds every wait).
+            ubatch_idx: the micro-batch slot, or None for the next slot in turn.
+        Returns:
+            expert layout: ``(rows [A*bucket*R, H], AfdepFfnMetadata)``, rows in the payload
+            dtype (bfloat16 or float8_e4m3fn) grouped by local expert; token layout:
+            ``(hidden_states [N, H], AfdepFfnMetadata)``, N = ``Config.token_rows(bucket)``,
+            one payload-dtype row per token (a read-only view of the receive window, valid
+            until ``send_ffn_output``), the metadata carrying topk_ids / topk_weights [N, k].
+        """
         self._require(FFN, "recv_attn_output")
         slot = self._next_slot if ubatch_idx is None else self._slot(int(ubatch_idx))
         if slot in self._open:
@@ -497,19 +563,38 @@ class AfdepConnector:
         self._next_slot = (slot + 1) % self.num_ubatches
         layers = self.settings.num_layers
         el = self.config.experts_per_rank
-        meta = AfdepFfnMetadata(
-            layer_idx=count % layers if layers else count, ubatch_idx=slot,
-            expert_offsets=rec.expert_offsets, topk_weights=rec.weights,
-            x_scales=rec.x_scales, src_rank=rec.src_rank, src_token=rec.src_token,
-            receipt=rec.receipt, local_expert_start=self.buffer.role_index * el,
-            num_local_experts=el)
+        common = dict(layer_idx=count % layers if layers else count, ubatch_idx=slot,
+                      x_scales=rec.x_scales, src_rank=rec.src_rank, src_token=rec.src_token,
+                      receipt=rec.receipt, local_expert_start=self.buffer.role_index * el,
+                      num_local_experts=el)
+        if self.config.receive_layout == "tokens":
+            meta = AfdepFfnMetadata(expert_offsets=None, topk_weights=rec.weights,
+                                    weights_applied=True, receive_layout="tokens",
+                                    topk_ids=rec.expert_ids, num_tokens=rec.num_tokens,
+                                    **common)
+        else:
+            meta = AfdepFfnMetadata(expert_offsets=rec.expert_offsets,
+                                    topk_weights=rec.weights, **common)
         self._open[slot] = meta
         return rec.x, meta
 
     def send_ffn_output(self, ffn_output: torch.Tensor, metadata=None,
                         ubatch_idx: Optional[int] = None) -> None:
-        """Send the expert outputs ``ffn_output [A*bucket*R, H]`` (row i = expert output of
-        the received row i) of ``metadata``'s exchange back to the Attention ranks."""
+        """Send ``metadata``'s exchange's FFN output back to the Attention ranks.
+
+        Arguments:
+            ffn_output: expert layout: [A*bucket*R, H] float (any float dtype, cast to
+                bfloat16), row i = the expert output of received row i (weighted unless
+                ``metadata.weights_applied`` is False, then the connector multiplies by
+                topk_weights); token layout: [N, H] float, row i = token i's MoE output
+                (its local experts' outputs weighted by topk_weights and summed), sent as
+                is; rows without a token are ignored.
+            metadata: the ``AfdepFfnMetadata`` of ``recv_attn_output`` (or None with the
+                ``ubatch_idx`` of an open exchange).
+            ubatch_idx: the micro-batch slot (checked against the metadata's).
+        Returns:
+            None.
+        """
         self._require(FFN, "send_ffn_output")
         if not isinstance(metadata, AfdepFfnMetadata):
             if ubatch_idx is None and len(self._open) == 1:
@@ -526,7 +611,17 @@ class AfdepConnector:
             raise AfdepStateError(f"send_ffn_output: ubatch {slot} has no open exchange for "
                                   "this metadata (already answered?)")
         rows = ffn_output
-        if not metadata.weights_applied:
+        if metadata.receive_layout == "tokens":
+            n = self.config.token_rows(self.bucket)
+            if tuple(rows.shape) != (n, self.config.hidden_size):
+                raise ValueError(f"send_ffn_output (token layout): ffn_output must be [{n}, "
+                                 f"{self.config.hidden_size}] (one row per received row), got "
+                                 f"{list(rows.shape)}")
+            if not metadata.weights_applied:
+                raise ValueError("send_ffn_output (token layout): the rows are each token's "
+                                 "weighted sum over its experts, so the model applies "
+                                 "topk_weights; weights_applied=False cannot be honored")
+        elif not metadata.weights_applied:
             n = rows.shape[0]
             valid = torch.arange(n, device=rows.device) < metadata.expert_offsets[-1]
             rows = torch.where(valid[:, None],

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Tuple, TypeVar
 import torch
 
 from .. import mps
-from ..config import FFN, Config, parse_layout, parse_roles
+from ..config import FFN, RECEIVE_LAYOUTS, Config, parse_layout, parse_roles
 
 T = TypeVar("T")
 
@@ -143,6 +143,15 @@ def device_kind(parser: argparse.ArgumentParser, choice: str) -> str:
     return choice
 
 
+def add_receive_layout_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--receive-layout experts|tokens`` (default experts): the ``Config.receive_layout``
+    of the script's buffer, i.e. what its FFN ranks receive."""
+    parser.add_argument("--receive-layout", choices=RECEIVE_LAYOUTS, default="experts",
+                        help="what FFN ranks receive: rows grouped by local expert (experts, "
+                             "the default) or one row per token with its local expert ids "
+                             "and weights (tokens)")
+
+
 def add_shared_gpu_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--allow-shared-gpu`` (run even when ranks would share a GPU without CUDA MPS)."""
     parser.add_argument("--allow-shared-gpu", action="store_true",
@@ -173,5 +182,6 @@ def gpu_placement(parser: argparse.ArgumentParser, world: int, allow_shared: boo
 
 
 __all__ = ["layout", "roles", "add_layout_arguments", "resolve_layout", "build_or_error",
-           "make_config", "cuda_ready", "device_kind", "add_shared_gpu_argument",
+           "make_config", "cuda_ready", "device_kind", "add_receive_layout_argument",
+           "add_shared_gpu_argument",
            "gpu_placement"]

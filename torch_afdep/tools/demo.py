@@ -1,13 +1,16 @@
 """The main job: a small AFD MoE layer run through the exchange, checked against one process.
 
     python -m torch_afdep.demo [--layout 2A2F | --roles FFAA] [--steps 5] [--tokens 16]
-                               [--device auto] [--allow-shared-gpu]
+                               [--receive-layout experts|tokens] [--device auto]
+                               [--allow-shared-gpu]
 
 Spawns A Attention + F FFN ranks (CPU over gloo, or CUDA when GPUs and the CUDA extension
 are present; ranks share GPUs round robin when there are fewer GPUs than ranks, which needs
 CUDA MPS: without it the demo refuses unless ``--allow-shared-gpu``). Attention ranks route
 their tokens with a softmax top-k router; FFN ranks run SwiGLU experts on the rows they
-receive; the combined outputs are checked against the same layer computed in fp64 in a single
+receive (``--receive-layout experts``, the default: rows grouped by local expert, one
+weighted row per (token, expert) back; ``tokens``: one row per token with its local expert
+ids and weights, the token's weighted sum back); the combined outputs are checked against the same layer computed in fp64 in a single
 process, and a short report is printed.
 """
 
@@ -108,20 +111,60 @@ def _rank_main(rank, world, cfg, steps, tokens, device_kind):
             errors.append(float(err))
         else:
             rec = buf.worker_receive(cfg.capacity_tokens_per_rank)
-            offs = rec.expert_offsets.tolist()  # host copy: fine for a demo
-            y = torch.zeros(rec.x.shape[0], cfg.hidden_size, dtype=torch.float32, device=dev)
-            for e, (w1, w3, w2) in enumerate(experts):
-                lo, hi = offs[e], offs[e + 1]
-                if hi > lo:
-                    y[lo:hi] = swiglu(rec.x[lo:hi].float(), w1, w3, w2) * \
-                        rec.weights[lo:hi, None]
+            if cfg.receive_layout == "tokens":
+                y, n = _token_experts(rec, experts, cfg.hidden_size)
+            else:
+                y, n = _expert_major_experts(rec, experts, cfg.hidden_size)
             buf.worker_reply(y.to(torch.bfloat16), rec.receipt)
-            rows.append(offs[-1])
+            rows.append(n)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     buf.close()
     return {"role": buf.role, "index": buf.role_index, "times": times, "errors": errors,
             "rows": rows, "device": str(dev)}
+
+
+def _expert_major_experts(rec, experts, hidden: int):
+    """The expert layout's FFN work: each local expert on its slice of the rows.
+
+    Arguments:
+        rec: a ``Received`` (x [A*bucket*R, H] bfloat16 grouped by local expert, weights
+            [A*bucket*R] float32, expert_offsets [E_local+1] int32).
+        experts: per local expert (w1 [I, H], w3 [I, H], w2 [H, I]) float32.
+        hidden: H.
+    Returns:
+        (y [A*bucket*R, H] float32, row i = weights[i] * its expert's output, zeros past
+        the rows; rows: the received expert rows, an int read on the host).
+    """
+    offs = rec.expert_offsets.tolist()  # host copy: fine for a demo
+    y = torch.zeros(rec.x.shape[0], hidden, dtype=torch.float32, device=rec.x.device)
+    for e, (w1, w3, w2) in enumerate(experts):
+        lo, hi = offs[e], offs[e + 1]
+        if hi > lo:
+            y[lo:hi] = swiglu(rec.x[lo:hi].float(), w1, w3, w2) * rec.weights[lo:hi, None]
+    return y, offs[-1]
+
+
+def _token_experts(rec, experts, hidden: int):
+    """The token layout's FFN work: each local expert on the rows that name it, weighted and
+    summed per token.
+
+    Arguments:
+        rec: a ``TokenReceived`` (x [N, H] bfloat16, one row per token, read only;
+            expert_ids [N, k] int32 local ids or -1; weights [N, k] float32).
+        experts: per local expert (w1 [I, H], w3 [I, H], w2 [H, I]) float32.
+        hidden: H.
+    Returns:
+        (y [N, H] float32, row r = sum over its local ids e of weight * expert e's output,
+        zeros for rows without a token; rows: the tokens received, an int read on the host).
+    """
+    ids = rec.expert_ids.to(torch.int64)
+    y = torch.zeros(rec.x.shape[0], hidden, dtype=torch.float32, device=rec.x.device)
+    for e, (w1, w3, w2) in enumerate(experts):
+        r, j = (ids == e).nonzero(as_tuple=True)  # host sync: fine for a demo
+        if r.numel():
+            y.index_add_(0, r, swiglu(rec.x[r].float(), w1, w3, w2) * rec.weights[r, j, None])
+    return y, int(rec.num_tokens.sum())
 
 
 def _reference(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -145,6 +188,7 @@ def main(argv=None) -> int:
     cli.add_layout_arguments(p, default="2A2F")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=16, help="tokens per Attention rank")
+    cli.add_receive_layout_argument(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     cli.add_shared_gpu_argument(p)
     args = p.parse_args(argv)
@@ -152,7 +196,7 @@ def main(argv=None) -> int:
     kind = cli.device_kind(p, args.device)
     cfg = cli.make_config(p, capacity_tokens_per_rank=max(args.tokens, 1), hidden_size=HIDDEN,
                           num_experts=EXPERTS, top_k=TOP_K, ffn_ranks=f, attention_ranks=a,
-                          roles=roles, timeout_s=60.0)
+                          roles=roles, timeout_s=60.0, receive_layout=args.receive_layout)
     world = a + f
     device_ids = None
     if kind == "cuda":  # before spawning: refuse GPUs shared without MPS
@@ -161,7 +205,8 @@ def main(argv=None) -> int:
     print(f"torch_afdep demo: {a}A{f}F{order} on {kind}"
           + (f" (GPUs {device_ids})" if device_ids else " (gloo)")
           + f", {EXPERTS} SwiGLU experts (H={HIDDEN}, I={INTER}), top-{TOP_K}, "
-          f"{args.tokens} tokens per Attention rank, {args.steps} steps", flush=True)
+          f"{args.tokens} tokens per Attention rank, {args.steps} steps, "
+          f"{cfg.receive_layout} receive layout", flush=True)
     t0 = time.perf_counter()
     results = spawn_world(_rank_main, world, cfg, args.steps, args.tokens, kind,
                           backend="gloo", device_ids=device_ids, timeout=600)
@@ -174,7 +219,8 @@ def main(argv=None) -> int:
             print(f"  attention {r['index']}: max rel. error {max(r['errors']):.2e}, "
                   f"median exchange {med:,.0f} us (eager, wall clock)")
         else:
-            print(f"  ffn {r['index']}: expert rows per step {r['rows']}")
+            what = "tokens" if cfg.receive_layout == "tokens" else "expert rows"
+            print(f"  ffn {r['index']}: {what} per step {r['rows']}")
     ok = worst < 2e-2
     print(f"{'PASS' if ok else 'FAIL'}: max relative error {worst:.2e} against the fp64 "
           f"single-process layer (bf16 tolerance 2e-2); {wall:.1f} s in all")

@@ -9,8 +9,9 @@ their peer access and whether CUDA MPS runs, the transport a ``Buffer`` would pi
 relevant environment (``NCCL_NVLS_ENABLE`` and friends; the protocol controls' mode; the
 ``AFDEP_*`` variables that are set, every one described by ``torch_afdep.env``, and any
 ``AFDEP_*`` name torch_afdep does not read), then runs a 1A1F self-test exchange on two spawned
-CPU processes (and, on a CUDA machine with the extension, on the GPUs) checked against
-``torch_afdep.reference``. ``--verbose`` lists every protocol control and every registered
+CPU processes (and, on a CUDA machine with the extension, on the GPUs) in both receive
+layouts (``Config.receive_layout``: expert-major rows, and one row per token), each checked
+against ``torch_afdep.reference`` and reported on its own. ``--verbose`` lists every protocol control and every registered
 variable with its value and meaning. Exits 1 when it found a problem, printing a hint for
 each; ``--json`` prints one JSON object with every fact (``--verbose`` or not) plus ``"ok"``
 and ``"problems"``.
@@ -53,6 +54,8 @@ SELFTEST_CONFIG = dict(capacity_tokens_per_rank=8, hidden_size=128, num_experts=
                        ffn_ranks=1, attention_ranks=1, timeout_s=30.0)
 SELFTEST_TOKENS = (6, 8)
 SELFTEST_TOLERANCE = 1e-2
+#: Receive layouts the self-test runs (one spawned world each).
+SELFTEST_LAYOUTS = ("experts", "tokens")
 
 
 class Report:
@@ -340,15 +343,60 @@ def _selftest_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
     return rows * (e + 1)
 
 
-def selftest_body(rank: int, world: int, device_kind: str):
+def _selftest_expert_rows(cfg, f: int, rec, dev) -> Tuple[torch.Tensor, List[int]]:
+    """The FFN side's reply of the expert layout and its per-local-expert row counts.
+
+    Arguments:
+        cfg: the self-test Config; f: this FFN index; rec: the ``Received``; dev: its device.
+    Returns:
+        (rows [A*bucket*R, H] bfloat16, each row its expert's output times its weight;
+        counts, rows per local expert, read on the host).
+    """
+    offs = rec.expert_offsets.cpu().tolist()
+    rows = torch.zeros(rec.x.shape[0], cfg.hidden_size, dtype=torch.float32, device=dev)
+    base = f * cfg.experts_per_rank
+    for e in range(cfg.experts_per_rank):
+        lo, hi = offs[e], offs[e + 1]
+        rows[lo:hi] = _selftest_expert(base + e, rec.x[lo:hi].float())
+    n = offs[-1]
+    rows[:n] *= rec.weights[:n, None]
+    return rows.to(torch.bfloat16), [offs[e + 1] - offs[e] for e in range(cfg.experts_per_rank)]
+
+
+def _selftest_token_rows(cfg, f: int, rec, dev) -> Tuple[torch.Tensor, List[int]]:
+    """The FFN side's reply of the token layout and its per-local-expert entry counts.
+
+    Arguments:
+        cfg: the self-test Config; f: this FFN index; rec: the ``TokenReceived``; dev: its
+            device.
+    Returns:
+        (rows [N, H] bfloat16, row r = sum over local ids e of the row of weight * expert e's
+        output, NaN for rows without a token (the reply must ignore them); counts, entries
+        per local expert, read on the host).
+    """
+    ids = rec.expert_ids.to(torch.int64)
+    rows = torch.zeros(rec.x.shape[0], cfg.hidden_size, dtype=torch.float32, device=dev)
+    base = f * cfg.experts_per_rank
+    counts = []
+    for e in range(cfg.experts_per_rank):
+        r, j = (ids == e).nonzero(as_tuple=True)
+        counts.append(int(r.numel()))
+        rows.index_add_(0, r, _selftest_expert(base + e, rec.x[r].float()) *
+                        rec.weights[r, j, None])
+    rows[~(ids >= 0).any(dim=1)] = float("nan")
+    return rows.to(torch.bfloat16), counts
+
+
+def selftest_body(rank: int, world: int, device_kind: str, receive_layout: str = "experts"):
     """One rank of the self-test world (module level: spawn pickles it by name).
 
     Attention returns its relative errors against the fp64 reference; the FFN rank checks its
-    per-expert counts against the reference and returns them."""
+    per-expert counts against the reference and returns them. ``receive_layout`` is the
+    buffer's ``Config.receive_layout``."""
     from .. import Buffer, Config
     from .. import reference as ref
 
-    cfg = Config(**SELFTEST_CONFIG)
+    cfg = Config(**SELFTEST_CONFIG, receive_layout=receive_layout)
     dev = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else \
         torch.device("cpu")
     out: Dict[str, Any] = {"role": None, "errors": [], "counts_ok": []}
@@ -364,17 +412,10 @@ def selftest_body(rank: int, world: int, device_kind: str):
                 out["errors"].append(ref.relative_error(got, want))
             else:
                 rec = buf.worker_receive(cfg.capacity_tokens_per_rank)
-                offs = rec.expert_offsets.cpu().tolist()
-                rows = torch.zeros(rec.x.shape[0], cfg.hidden_size, dtype=torch.float32,
-                                   device=dev)
-                base = buf.role_index * cfg.experts_per_rank
-                for e in range(cfg.experts_per_rank):
-                    lo, hi = offs[e], offs[e + 1]
-                    rows[lo:hi] = _selftest_expert(base + e, rec.x[lo:hi].float())
-                n = offs[-1]
-                rows[:n] *= rec.weights[:n, None]
-                buf.worker_reply(rows.to(torch.bfloat16), rec.receipt)
-                got_counts = [offs[e + 1] - offs[e] for e in range(cfg.experts_per_rank)]
+                make = _selftest_token_rows if receive_layout == "tokens" else \
+                    _selftest_expert_rows
+                rows, got_counts = make(cfg, buf.role_index, rec, dev)
+                buf.worker_reply(rows, rec.receipt)
                 want_counts = ref.expert_counts(cfg, [ids])[buf.role_index].tolist()
                 out["counts_ok"].append(got_counts == want_counts)
     return out
@@ -400,21 +441,25 @@ def _spawn(fn, world: int, *args, **kwargs):
     return spawn_world(fn, world, *args, **kwargs)
 
 
-def run_selftest(device_kind: str, timeout: float = 120.0) -> Dict[str, Any]:
-    """Run the 1A1F self-test on ``device_kind`` ("cpu" or "cuda"); never raises."""
+def run_selftest(device_kind: str, timeout: float = 120.0,
+                 receive_layout: str = "experts") -> Dict[str, Any]:
+    """Run the 1A1F self-test on ``device_kind`` ("cpu" or "cuda") in ``receive_layout``
+    (``"experts"`` or ``"tokens"``); never raises. Returns its result (``"ok"``,
+    ``"error"``, ``"max_rel_error"``, ``"seconds"``, ...)."""
     kwargs: Dict[str, Any] = {"timeout": timeout}
     if device_kind == "cuda":
         n = torch.cuda.device_count()
         kwargs["device_ids"] = [r % n for r in range(2)]
         kwargs["env"] = {k: os.environ.get(k, want) for k, (want, _) in MULTICAST_ENV.items()}
     t0 = time.perf_counter()
-    res: Dict[str, Any] = {"device": device_kind, "layout": "1A1F", "ran": True, "ok": False,
+    res: Dict[str, Any] = {"device": device_kind, "layout": "1A1F",
+                           "receive_layout": receive_layout, "ran": True, "ok": False,
                            "exchanges": len(SELFTEST_TOKENS), "max_rel_error": None,
                            "seconds": None, "error": None}
     if "device_ids" in kwargs:
         res["device_ids"] = kwargs["device_ids"]
     try:
-        results = _spawn(selftest_body, 2, device_kind, **kwargs)
+        results = _spawn(selftest_body, 2, device_kind, receive_layout, **kwargs)
         attn = [r for r in results if r["role"] == "attention"]
         ffn = [r for r in results if r["role"] == "ffn"]
         errors = [e for r in attn for e in r["errors"]]
@@ -436,6 +481,19 @@ def run_selftest(device_kind: str, timeout: float = 120.0) -> Dict[str, Any]:
     return res
 
 
+def _run_layouts(rep: Report, device_kind: str) -> Dict[str, Any]:
+    """The self-test of ``device_kind`` in every layout of ``SELFTEST_LAYOUTS``: each failing
+    layout is a problem of its own. Returns {"ran", "ok", "layouts": {layout: result}}."""
+    layouts = {}
+    for layout in SELFTEST_LAYOUTS:
+        res = run_selftest(device_kind, receive_layout=layout)
+        layouts[layout] = res
+        if not res["ok"]:
+            rep.problem(f"self-test failed: {device_kind} 1A1F, {layout} layout: "
+                        f"{res['error']}")
+    return {"ran": True, "ok": all(r["ok"] for r in layouts.values()), "layouts": layouts}
+
+
 def check_selftest(rep: Report, cuda_mod, enabled: bool) -> None:
     tests: Dict[str, Any] = {}
     rep.facts["selftest"] = tests
@@ -443,17 +501,13 @@ def check_selftest(rep: Report, cuda_mod, enabled: bool) -> None:
         tests["cpu"] = {"ran": False, "reason": "--no-selftest"}
         tests["cuda"] = {"ran": False, "reason": "--no-selftest"}
         return
-    tests["cpu"] = run_selftest("cpu")
-    if not tests["cpu"]["ok"]:
-        rep.problem(f"self-test failed: cpu 1A1F: {tests['cpu']['error']}")
+    tests["cpu"] = _run_layouts(rep, "cpu")
     if not torch.cuda.is_available():
         tests["cuda"] = {"ran": False, "reason": "no GPU"}
     elif cuda_mod is None:
         tests["cuda"] = {"ran": False, "reason": "torch_afdep._cuda is not built"}
     else:
-        tests["cuda"] = run_selftest("cuda")
-        if not tests["cuda"]["ok"]:
-            rep.problem(f"self-test failed: cuda 1A1F: {tests['cuda']['error']}")
+        tests["cuda"] = _run_layouts(rep, "cuda")
 
 
 # ---- the whole check and its printout ---------------------------------------------------------
@@ -576,19 +630,22 @@ def format_text(d: Dict[str, Any], verbose: bool = False) -> str:
             lines.append(f"    {name:<26} {val:<8} (unknown to torch_afdep)")
     s = d.get("selftest")
     if s is not None:
-        section("self-test (1A1F, 2 processes, checked against torch_afdep.reference)")
+        section("self-test (1A1F, 2 processes, each receive layout, checked against "
+                "torch_afdep.reference)")
         for kind in ("cpu", "cuda"):
-            r = s.get(kind)
-            if r is None:
+            dev = s.get(kind)
+            if dev is None:
                 continue
-            if not r.get("ran"):
-                row(kind, f"skipped ({r.get('reason')})")
-            elif r["ok"]:
-                where = f" on GPUs {r['device_ids']}" if r.get("device_ids") else ""
-                row(kind, f"PASS{where}: {r['exchanges']} exchanges, max rel. error "
-                    f"{r['max_rel_error']:.2e}, {r['seconds']:.1f} s")
-            else:
-                row(kind, f"FAIL after {r['seconds']:.1f} s: {r['error']}")
+            if not dev.get("ran"):
+                row(kind, f"skipped ({dev.get('reason')})")
+                continue
+            for layout, r in dev["layouts"].items():
+                if r["ok"]:
+                    where = f" on GPUs {r['device_ids']}" if r.get("device_ids") else ""
+                    row(f"{kind} {layout}", f"PASS{where}: {r['exchanges']} exchanges, max "
+                        f"rel. error {r['max_rel_error']:.2e}, {r['seconds']:.1f} s")
+                else:
+                    row(f"{kind} {layout}", f"FAIL after {r['seconds']:.1f} s: {r['error']}")
     section("result")
     for w in d.get("warnings", []):
         lines.append(f"  warning: {w}")
