@@ -59,7 +59,8 @@ class _DeviceMemory:
                                          "data": (int(ptr), False), "version": 2}
 
 
-def _device_tensor(ptr: int, shape, device: torch.device, typestr: str = "<i2") -> torch.Tensor:
+def _device_tensor(ptr: int, shape, device: torch.device,
+                   typestr: str = "<i2") -> torch.Tensor:
     """Tensor (int16 unless ``typestr`` says otherwise) aliasing ``shape`` elements at ``ptr``
     on ``device`` (no copy)."""
     with torch.cuda.device(device):  # older torch builds take the current device
