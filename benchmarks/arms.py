@@ -2,13 +2,19 @@
 
 ``world_main(rank, world_size, spec)`` runs every cell of one layout for one arm:
 
-- ``afdep`` / ``symmetric``: a ``torch_afdep.Buffer`` per (hidden, dtype); Attention ranks
-  capture ``source_dispatch`` + ``source_collect``, FFN ranks ``worker_receive`` + a BF16 cast
-  of the received rows (the "expert"; the identity for BF16 payloads) + ``worker_reply``.
-  The two arms differ only in the environment (``AFDEP_SYMMETRIC=1``).
-- ``nccl``: the same contract from ``all_to_all_single`` (NCCL) and torch ops
-  (``benchmarks.torch_exchange``), capacity-padded to ``bucket`` rows per pair.
-- ``nccl_bare``: one ``all_to_all_single`` each way moving T x H per pair, nothing else.
+- ``afdep`` / ``symmetric``: a ``torch_afdep.Buffer`` per (receive layout, hidden, dtype);
+  Attention ranks capture ``source_dispatch`` + ``source_collect``, FFN ranks
+  ``worker_receive`` + the stand-in expert (``torch_exchange.stand_in_expert``: the first 128
+  columns of every received row copied as BF16 into a reply of ones made once) +
+  ``worker_reply``. The two arms differ only in the environment (``AFDEP_SYMMETRIC=1``).
+- ``nccl``: the same contract, per receive layout, from ``all_to_all_single`` (NCCL) and
+  torch ops (``benchmarks.torch_exchange``), capacity-padded to ``bucket`` rows per pair, with
+  the same stand-in expert.
+- ``nccl_bare``: one ``all_to_all_single`` each way moving T x H per pair, nothing else (it
+  does not depend on the receive layout: run for the first layout's cells only).
+
+Cells carry ``receive_layout`` ("experts" or "tokens"); ``spec["indices"]`` names the cells
+of the plan this world runs.
 
 Per cell: fresh inputs, eager warm-up exchanges (their output checked on Attention ranks),
 one CUDA graph per role step, warm-up replays, then timed replays, each preceded by
@@ -45,7 +51,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def cell_key(c: Dict[str, Any]) -> str:
-    return f"H{c['hidden']}/{c['dtype']}/{c['routing']}/T{c['tokens']}"
+    return (f"{c.get('receive_layout', 'experts')}/H{c['hidden']}/{c['dtype']}/"
+            f"{c['routing']}/T{c['tokens']}")
 
 
 def cell_seed(base: int, repeat: int, index: int) -> int:
@@ -65,9 +72,34 @@ def served_rows(cfg, expert_ids: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def reached_ffn_ranks(cfg, expert_ids: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the FFN ranks each token reaches (the token layout's reply rows)."""
+    return ref.tokens_per_ffn(cfg, expert_ids).sum(dim=1).to(torch.int64)
+
+
+def reply_rows(cfg, expert_ids: torch.Tensor, receive_layout: str) -> torch.Tensor:
+    """[T] int64: the reply rows summed into each token's output: one per expert row in the
+    expert layout (``served_rows``), one per reached FFN rank in the token layout."""
+    if receive_layout == "tokens":
+        return reached_ffn_ranks(cfg, expert_ids)
+    return served_rows(cfg, expert_ids)
+
+
 def expected_output(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """With the BF16-cast "expert" and unweighted rows, out[t] = rows(t) * bf16(x[t])."""
-    return x.to(torch.bfloat16).to(torch.float32) * rows.to(torch.float32)[:, None]
+    """With the stand-in expert (``torch_exchange.stand_in_expert``) and unweighted rows,
+    out[t] = rows(t) * stand_in_row(x)[t]: rows(t) times the first 128 columns of x[t] in BF16,
+    rows(t) in every other column."""
+    return tx.stand_in_row(x) * rows.to(torch.float32)[:, None]
+
+
+def output_error(out: torch.Tensor, want: torch.Tensor) -> float:
+    """The larger relative error of the payload columns (the first ``EXPERT_COLS``) and of the
+    rest, so that a wrong payload is not diluted by the many constant columns."""
+    c = min(tx.EXPERT_COLS, want.shape[1])
+    err = ref.relative_error(out[:, :c], want[:, :c])
+    if want.shape[1] > c:
+        err = max(err, ref.relative_error(out[:, c:], want[:, c:]))
+    return err
 
 
 def open_log(spec: Dict[str, Any], rank: int):
@@ -103,7 +135,7 @@ class _Rank:
             backend="gloo", timeout=datetime.timedelta(seconds=spec["ctrl_timeout_s"]))
         self.aborted: Optional[str] = None
 
-    def config(self, hidden: int, dtype: str):
+    def config(self, hidden: int, dtype: str, receive_layout: str = "experts"):
         from torch_afdep.config import Config
 
         s = self.spec
@@ -111,6 +143,7 @@ class _Rank:
                       num_experts=s["experts"], top_k=s["top_k"], ffn_ranks=self.F,
                       attention_ranks=self.A, dtype=DTYPES[dtype], num_sms=s["sms"],
                       timeout_s=float(s["kernel_timeout_s"]),
+                      receive_layout=receive_layout,
                       num_slots=1)  # one exchange in flight: the protocol cost only
 
     def write(self, rec: Dict[str, Any]) -> None:
@@ -238,6 +271,7 @@ class _Cell:
         self.rk, self.cfg, self.cell, self.seed = rk, cfg, cell, seed
         self.T = cell["tokens"]
         self.bucket = self.T
+        self.receive_layout = cell.get("receive_layout", "experts")
         self.out = None
         self.extra: Dict[str, Any] = {}
 
@@ -247,11 +281,11 @@ class _Cell:
             got = ref.make_inputs(self.cfg, self.T, self.cell["routing"], seed=self.seed,
                                   a=rk.index, device=rk.device)
             self.x, self.ids, self.w, self.sc = got
-            rows = served_rows(self.cfg, self.ids)
+            rows = reply_rows(self.cfg, self.ids, self.receive_layout)
             self.want = expected_output(self.x, rows)
             reach = ref.tokens_per_ffn(self.cfg, self.ids).sum(dim=0)
             self.extra["reach_tokens"] = [int(r) for r in reach]  # tokens to each FFN index
-            self.extra["rows"] = int(rows.sum())        # expert rows made by this source
+            self.extra["rows"] = int(served_rows(self.cfg, self.ids).sum())  # expert rows
 
     def step(self):  # pragma: no cover - GPU only
         raise NotImplementedError
@@ -259,11 +293,12 @@ class _Cell:
     def check(self) -> Optional[float]:
         if not self.rk.is_attention or self.out is None:
             return None
-        return ref.relative_error(self.out, self.want)
+        return output_error(self.out, self.want)
 
     def release(self) -> None:
         for name in list(vars(self)):
-            if name not in ("rk", "cfg", "cell", "seed", "T", "bucket", "extra"):
+            if name not in ("rk", "cfg", "cell", "seed", "T", "bucket", "receive_layout",
+                            "extra"):
                 setattr(self, name, None)
 
 
@@ -273,19 +308,27 @@ class _AfdepCell(_Cell):
         self.buf = buf
         self.zero_copy = bool(zero_copy) and cfg.ffn_ranks == 1
 
+    def setup(self):
+        super().setup()
+        if not self.rk.is_attention:
+            cfg = self.cfg
+            n = (cfg.token_rows(self.bucket) if cfg.receive_layout == "tokens"
+                 else cfg.recv_rows(self.bucket))
+            self.reply = tx.new_reply(n, cfg.hidden_size, self.rk.device)
+
     def step(self):
         buf = self.buf
         if self.rk.is_attention:
             buf.source_dispatch(self.x, self.ids, self.w, self.bucket, x_scales=self.sc)
             self.out = buf.source_collect(zero_copy=self.zero_copy)
         else:
-            rec = buf.worker_receive(self.bucket)
-            rows = rec.x.to(torch.bfloat16)  # the "expert": identity for BF16, a cast for FP8
-            buf.worker_reply(rows, rec.receipt)
+            rec = buf.worker_receive(self.bucket)  # Received or TokenReceived (the layout's)
+            buf.worker_reply(tx.stand_in_expert(self.reply, rec.x), rec.receipt)
 
 
 class _NcclCell(_Cell):
-    """The contract from all_to_all_single + torch ops (benchmarks.torch_exchange)."""
+    """The expert layout's contract from all_to_all_single + torch ops
+    (benchmarks.torch_exchange)."""
 
     def setup(self):
         super().setup()
@@ -306,7 +349,11 @@ class _NcclCell(_Cell):
             self.send_d = torch.empty(0, self.lay.row_bytes, dtype=torch.uint8, device=dev)
             self.recv_c0 = torch.empty(0, H, dtype=torch.bfloat16, device=dev)
             self.sources = torch.tensor(rk.att_ranks, dtype=torch.int32, device=dev)
+            self.reply = tx.new_reply(self.reply_rows(), H, dev)
         self.extra["row_bytes"] = self.lay.row_bytes
+
+    def reply_rows(self) -> int:
+        return self.cfg.recv_rows(self.bucket)
 
     def step(self):
         rk, cfg, T = self.rk, self.cfg, self.bucket
@@ -321,8 +368,36 @@ class _NcclCell(_Cell):
             got = tx.unpack(self.recv, self.lay)
             ex = tx.expand(got, rk.index, cfg.experts_per_rank, cfg.rows_per_token, T,
                            self.sources)
-            rows = ex.x.to(torch.bfloat16)  # the same "expert" as the afdep arms
+            rows = tx.stand_in_expert(self.reply, ex.x)  # the same expert as every arm
             reply = tx.reduce_rows(rows, ex.row_token, cfg.attention_ranks * T)
+            dist.all_to_all_single(self.recv_c0, reply, self.zero, self.to_att)
+
+
+class _NcclTokenCell(_NcclCell):
+    """The token layout's contract from all_to_all_single + torch ops: the FFN rank gets one
+    row per (token, FFN rank) with its local ids in column order (``tx.token_view``) and
+    replies one row per token, no reduction; the Attention rank sums the rows of the FFN
+    ranks each token reached (``tx.collect_tokens``)."""
+
+    def reply_rows(self) -> int:
+        return self.cfg.attention_ranks * self.bucket
+
+    def step(self):
+        rk, cfg, T = self.rk, self.cfg, self.bucket
+        if rk.is_attention:
+            tx.pack_dispatch(self.send, self.lay, self.x, self.ids, self.w, self.sc)
+            reach = ref.tokens_per_ffn(cfg, self.ids)
+            dist.all_to_all_single(self.recv_d, self.send.view(-1, self.lay.row_bytes),
+                                   self.zero, self.to_ffn)
+            dist.all_to_all_single(self.recv_c, self.send_c, self.to_ffn, self.zero)
+            self.out = tx.collect_tokens(self.recv_c.view(cfg.ffn_ranks, T, cfg.hidden_size),
+                                         reach)
+        else:
+            dist.all_to_all_single(self.recv, self.send_d, self.to_att, self.zero)
+            got = tx.token_view(tx.unpack(self.recv, self.lay), rk.index,
+                                cfg.experts_per_rank, T, self.sources)
+            self.received = got  # the whole contract is built, whether the expert reads it
+            reply = tx.stand_in_expert(self.reply, got.x)
             dist.all_to_all_single(self.recv_c0, reply, self.zero, self.to_att)
 
 
@@ -468,8 +543,8 @@ def _afdep_cells(rk: _Rank, spec, groups, emit) -> None:
     import torch_afdep
 
     rtt = _flag_rtt(rk) if rk.cuda and spec.get("flag_probe", True) else None
-    for (hidden, dtype), cells in groups:
-        cfg = rk.config(hidden, dtype)
+    for (receive_layout, hidden, dtype), cells in groups:
+        cfg = rk.config(hidden, dtype, receive_layout)
         info: Dict[str, Any] = {}
         buf = None
         err = None
@@ -555,9 +630,12 @@ def _close_quietly(buf) -> None:
 
 
 def _nccl_cells(rk: _Rank, spec, groups, emit) -> None:
-    kind = _NcclCell if spec["arm"] == "nccl" else _BareCell
-    for (hidden, dtype), cells in groups:
-        cfg = rk.config(hidden, dtype)
+    for (receive_layout, hidden, dtype), cells in groups:
+        cfg = rk.config(hidden, dtype, receive_layout)
+        if spec["arm"] == "nccl_bare":
+            kind = _BareCell
+        else:
+            kind = _NcclTokenCell if receive_layout == "tokens" else _NcclCell
         for idx, cell in cells:
             if rk.aborted:
                 emit(idx, cell, {"status": "not_run", "error": rk.aborted})
@@ -571,11 +649,14 @@ def _nccl_cells(rk: _Rank, spec, groups, emit) -> None:
         gc.collect()
 
 
-def group_cells(cells: List[Dict[str, Any]]):
-    """[((hidden, dtype), [(index, cell), ...]), ...] in first-seen order."""
+def group_cells(cells: List[Dict[str, Any]], indices: Optional[List[int]] = None):
+    """[((receive_layout, hidden, dtype), [(index, cell), ...]), ...] in first-seen order,
+    over the cells named by ``indices`` (default: all)."""
     groups: Dict[Any, List] = {}
-    for i, c in enumerate(cells):
-        groups.setdefault((c["hidden"], c["dtype"]), []).append((i, c))
+    for i in (range(len(cells)) if indices is None else indices):
+        c = cells[i]
+        key = (c.get("receive_layout", "experts"), c["hidden"], c["dtype"])
+        groups.setdefault(key, []).append((i, c))
     return list(groups.items())
 
 
@@ -598,7 +679,7 @@ def world_main(rank: int, world_size: int, spec: Dict[str, Any]) -> Dict[str, An
         rk.write(out)
 
     try:
-        groups = group_cells(spec["cells"])
+        groups = group_cells(spec["cells"], spec.get("indices"))
         if spec["arm"] in AFDEP_ARMS:
             _afdep_cells(rk, spec, groups, emit)
         else:

@@ -5,7 +5,10 @@ Record layout (what ``benchmarks.run`` collects): ``raw`` is a list of world ent
     {"arm", "layout", "repeat", "status": "ran" | "skipped" | "failed", "error",
      "ranks": {group rank: {"meta": {...}, "cells": {cell index: record}}}}
 
-and ``plan`` names the layouts (with the GPU of every group rank) and the cells.
+and ``plan`` names the layouts (with the GPU of every group rank), the receive layouts and
+the cells (each with its ``receive_layout``). Every result row carries ``receive_layout``:
+"experts" or "tokens", or "any" for ``nccl_bare``, which does not depend on it and is timed
+once per cell (in the first receive layout's cells).
 """
 
 from __future__ import annotations
@@ -23,6 +26,35 @@ ARM_LABELS = {"afdep": "afdep", "symmetric": "symmetric (AFDEP_SYMMETRIC=1)",
               "nccl": "nccl (all_to_all_single + torch ops)",
               "nccl_bare": "nccl_bare (bare all_to_all_single, reference)"}
 COMPARISONS = (("afdep", "symmetric"), ("afdep", "nccl"))
+#: Arms compared across receive layouts (tokens vs experts, same cell, paired by repeat).
+CROSS_LAYOUT_ARMS = ("afdep", "symmetric", "nccl")
+#: The receive_layout of nccl_bare rows (two bare all-to-alls: no layout).
+BARE_LAYOUT = "any"
+
+
+# ---- receive layouts ----------------------------------------------------------------------
+def receive_layouts(plan: Dict[str, Any]) -> List[str]:
+    """The plan's receive layouts in run order (plans without the field: experts only)."""
+    return list(plan.get("receive_layouts") or ["experts"])
+
+
+def cell_layout(cell: Dict[str, Any]) -> str:
+    return cell.get("receive_layout", "experts")
+
+
+def arm_cells(arm: str, plan: Dict[str, Any]) -> List[int]:
+    """Indices of the plan's cells that ``arm`` runs: every cell, except that nccl_bare runs
+    the first receive layout's cells only (it is the same two all-to-alls in every layout)."""
+    cells = plan["cells"]
+    if arm != "nccl_bare":
+        return list(range(len(cells)))
+    first = receive_layouts(plan)[0]
+    return [i for i, c in enumerate(cells) if cell_layout(c) == first]
+
+
+def row_layout(arm: str, cell: Dict[str, Any]) -> str:
+    """The receive_layout a result row of ``arm`` for ``cell`` records."""
+    return BARE_LAYOUT if arm == "nccl_bare" else cell_layout(cell)
 
 
 # ---- layouts ------------------------------------------------------------------------------
@@ -158,6 +190,7 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
     rows: List[Dict[str, Any]] = []
     comps: List[Dict[str, Any]] = []
     repeats = plan["repeats"]
+    runs = {arm: set(arm_cells(arm, plan)) for arm in plan["arms"]}
     for lay in plan["layouts"]:
         name, A, F = lay["name"], lay["attention"], lay["ffn"]
         roles, ranks = layout_ranks(A, F)
@@ -167,6 +200,8 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
         for index, cell in enumerate(plan["cells"]):
             by_arm: Dict[str, Dict[str, Any]] = {}
             for arm in plan["arms"]:
+                if index not in runs[arm]:
+                    continue
                 lats, sts, errs = [], [], []
                 per_rank_all = []
                 extra: Dict[str, Any] = {}
@@ -194,7 +229,8 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                                                           next((s for s in sts if s != "ok"),
                                                                "failed"))
                 row = {
-                    "arm": arm, "layout": name, "attention_ranks": A, "ffn_ranks": F,
+                    "arm": arm, "layout": name, "receive_layout": row_layout(arm, cell),
+                    "attention_ranks": A, "ffn_ranks": F,
                     "hidden": cell["hidden"], "dtype": cell["dtype"],
                     "routing": cell["routing"], "tokens": cell["tokens"],
                     "bucket": cell["tokens"], "experts": plan["experts"],
@@ -233,15 +269,99 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                 if a_arm in by_arm and b_arm in by_arm:
                     a, b = by_arm[a_arm]["repeats_us"], by_arm[b_arm]["repeats_us"]
                     pct = stats.paired_change_pct(a, b)
-                    comp = {"layout": name, "hidden": cell["hidden"], "dtype": cell["dtype"],
+                    comp = {"layout": name, "receive_layout": cell_layout(cell),
+                            "hidden": cell["hidden"], "dtype": cell["dtype"],
                             "routing": cell["routing"], "tokens": cell["tokens"],
-                            "arm": a_arm, "baseline": b_arm, "change_pct": pct,
+                            "arm": a_arm, "baseline": b_arm,
+                            "baseline_layout": cell_layout(cell), "change_pct": pct,
                             "wins": stats.wins(a, b),
                             "pairs": len(stats.paired_ratios(a, b))}
                     comps.append(comp)
                     by_arm[a_arm][f"vs_{b_arm}_pct"] = pct
+    comps += cross_layout_comparisons(rows)
     add_flag_floor(rows)
     return rows, comps
+
+
+def _row_key(r: Dict[str, Any], receive_layout: str, arm: str) -> Tuple:
+    return (r["layout"], receive_layout, r["hidden"], r["dtype"], r["routing"], r["tokens"],
+            arm)
+
+
+def cross_layout_comparisons(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per arm of ``CROSS_LAYOUT_ARMS`` and cell, the token layout against the expert layout
+    of the same run (paired by repeat: both ran in the same world). Sets the token row's
+    ``vs_experts_pct`` and ``tokens_over_experts`` (geometric mean of the paired ratios)."""
+    index = {_row_key(r, r["receive_layout"], r["arm"]): r for r in rows}
+    comps = []
+    for r in rows:
+        if r["receive_layout"] != "tokens" or r["arm"] not in CROSS_LAYOUT_ARMS:
+            continue
+        base = index.get(_row_key(r, "experts", r["arm"]))
+        if base is None:
+            continue
+        a, b = r["repeats_us"], base["repeats_us"]
+        pct = stats.paired_change_pct(a, b)
+        comps.append({"layout": r["layout"], "receive_layout": "tokens", "hidden": r["hidden"],
+                      "dtype": r["dtype"], "routing": r["routing"], "tokens": r["tokens"],
+                      "arm": r["arm"], "baseline": r["arm"], "baseline_layout": "experts",
+                      "change_pct": pct, "wins": stats.wins(a, b),
+                      "pairs": len(stats.paired_ratios(a, b))})
+        r["vs_experts_pct"] = pct
+        r["tokens_over_experts"] = stats.geomean(stats.paired_ratios(a, b))
+    return comps
+
+
+def find_comparison(comps: List[Dict[str, Any]], layout: str, hidden: int, dtype: str,
+                    routing: str, tokens: int, arm: str, receive_layout: str, baseline: str,
+                    baseline_layout: str) -> Optional[Dict[str, Any]]:
+    for c in comps:
+        if (c["layout"], c["hidden"], c["dtype"], c["routing"], c["tokens"], c["arm"],
+                c.get("receive_layout", "experts"), c["baseline"],
+                c.get("baseline_layout", c.get("receive_layout", "experts"))) == (
+                layout, hidden, dtype, routing, tokens, arm, receive_layout, baseline,
+                baseline_layout):
+            return c
+    return None
+
+
+def targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The issue's two numbers per (layout, hidden, dtype, routing), afdep arm: the token
+    layout's round trip at the smallest T (T=1 in the default grid), with the symmetric token
+    arm and the expert layout beside it, and the token / expert ratio at the largest T
+    (T=2,048) of the same run (geometric mean of the per-repeat ratios, wins = repeats where
+    tokens was faster)."""
+    index = {_row_key(r, r["receive_layout"], r["arm"]): r for r in rows}
+    out = []
+    for (layout, hidden, dtype, routing) in groups_of(rows):
+        ts = sorted({r["tokens"] for r in rows if r["arm"] == "afdep"
+                     and r["receive_layout"] == "tokens" and r["layout"] == layout
+                     and r["hidden"] == hidden and r["dtype"] == dtype
+                     and r["routing"] == routing})
+        if not ts:
+            continue
+        lo, hi = ts[0], ts[-1]
+
+        def get(t, rl, arm="afdep"):
+            return index.get((layout, rl, hidden, dtype, routing, t, arm)) or {}
+
+        tok_lo, sym_lo, exp_lo = get(lo, "tokens"), get(lo, "tokens", "symmetric"), \
+            get(lo, "experts")
+        tok_hi, exp_hi = get(hi, "tokens"), get(hi, "experts")
+        pairs = stats.paired_ratios(tok_hi.get("repeats_us") or [],
+                                    exp_hi.get("repeats_us") or [])
+        out.append({
+            "layout": layout, "hidden": hidden, "dtype": dtype, "routing": routing,
+            "small_tokens": lo, "tokens_small_us": tok_lo.get("latency_us"),
+            "symmetric_tokens_small_us": sym_lo.get("latency_us"),
+            "tokens_small_vs_symmetric_pct": tok_lo.get("vs_symmetric_pct"),
+            "experts_small_us": exp_lo.get("latency_us"),
+            "large_tokens": hi, "tokens_large_us": tok_hi.get("latency_us"),
+            "experts_large_us": exp_hi.get("latency_us"),
+            "tokens_over_experts_large": stats.geomean(pairs) if pairs else None,
+            "tokens_wins_large": (stats.wins(tok_hi["repeats_us"], exp_hi["repeats_us"])
+                                  if pairs else None)})
+    return out
 
 
 def _collect_extra(extra: Dict[str, Any], recs: Dict[int, Optional[Dict]], roles, rep: int):
@@ -275,11 +395,12 @@ def registered_summary(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for r in rows:
         if r["arm"] not in ("afdep", "symmetric") or "registered_bytes" not in r:
             continue
-        key = (r["arm"], r["layout"], r["hidden"], r["dtype"])
+        key = (r["arm"], r["layout"], r["receive_layout"], r["hidden"], r["dtype"])
         if key in seen:
             continue
         u = r.get("union_bytes")
-        ent = {"arm": r["arm"], "layout": r["layout"], "hidden": r["hidden"],
+        ent = {"arm": r["arm"], "layout": r["layout"], "receive_layout": r["receive_layout"],
+               "hidden": r["hidden"],
                "dtype": r["dtype"], "capacity": r["capacity"], "union_bytes": u,
                "flags": r.get("afdep_flags")}
         for role, b in r["registered_bytes"].items():
@@ -370,82 +491,134 @@ def markdown(doc: Dict[str, Any]) -> str:
     reg = registered_summary(rows)
     if reg:
         lines += ["## Registered buffer bytes per role", "",
-                  "| arm | layout | hidden | dtype | FFN rank | Attention rank | union | "
-                  "FFN / union | Attention / union |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | layout | receive layout | hidden | dtype | FFN rank | "
+                  "Attention rank | union | FFN / union | Attention / union |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for e in reg:
             lines.append(
-                f"| {e['arm']} | {e['layout']} | {e['hidden']} | {e['dtype']} | "
+                f"| {e['arm']} | {e['layout']} | {e.get('receive_layout', 'experts')} | "
+                f"{e['hidden']} | {e['dtype']} | "
                 f"{_fmt_bytes(e.get('ffn_bytes'))} | {_fmt_bytes(e.get('attention_bytes'))} | "
                 f"{_fmt_bytes(e.get('union_bytes'))} | {_fmt_ratio(e.get('ffn_vs_union'))} | "
                 f"{_fmt_ratio(e.get('attention_vs_union'))} |")
         lines.append("")
+    lines += _targets_table(doc.get("targets") or targets(rows))
     arms = present_arms(rows)
     for (layout, hidden, dtype, routing) in groups_of(rows):
-        sub = [r for r in rows if (r["layout"], r["hidden"], r["dtype"], r["routing"]) ==
-               (layout, hidden, dtype, routing)]
-        ts = sorted({r["tokens"] for r in sub})
-        lines += [f"## {layout}, hidden {hidden:,}, {dtype.upper()}, {routing} routing", ""]
-        lines.append("| | " + " | ".join(f"T={t:,}" for t in ts) + " |")
-        lines.append("|---|" + "---|" * len(ts))
-        get = {(r["arm"], r["tokens"]): r for r in sub}
-        for arm in arms:
-            cells = []
-            for t in ts:
-                r = get.get((arm, t))
-                if r is None:
-                    cells.append("—")
-                elif r["latency_us"] is None:
-                    cells.append(r["status"])
-                else:
-                    s = _fmt_us(r["latency_us"])
-                    cells.append(s + ("*" if r["status"] != "ok" else ""))
-            eager = any(r["arm"] == arm and r.get("graph") is False for r in sub)
-            label = f"{arm} (eager, no graph)" if eager else arm
-            lines.append(f"| {label}, µs | " + " | ".join(cells) + " |")
-        spread_arms = [x for x in ("afdep", "symmetric") if x in arms]
-        if spread_arms and any((get.get((x, t)) or {}).get("repeat_spread") is not None
-                               for x in spread_arms for t in ts):
-            lines.append(f"| repeat spread (slowest / fastest), {' / '.join(spread_arms)} | "
-                         + " | ".join(" / ".join(
-                             _fmt_spread((get.get((x, t)) or {}).get("repeat_spread"))
-                             for x in spread_arms) for t in ts) + " |")
-        for a_arm, b_arm in COMPARISONS:
-            if a_arm not in arms or b_arm not in arms:
-                continue
-            cells = []
-            for t in ts:
-                c = next((c for c in comps if c["layout"] == layout and c["hidden"] == hidden
-                          and c["dtype"] == dtype and c["routing"] == routing
-                          and c["tokens"] == t and c["arm"] == a_arm
-                          and c["baseline"] == b_arm), None)
-                cells.append("—" if c is None or c["change_pct"] is None else
-                             f"{_fmt_pct(c['change_pct'])} ({c['wins']})")
-            lines.append(f"| {a_arm} vs {b_arm} | " + " | ".join(cells) + " |")
-        ref = get_any(get, ts, ("afdep", "symmetric", "nccl"))
-        if any(ref.get(t, {}).get("floor_us") is not None for t in ts):
-            lines.append("| data floor at ceiling, µs | " + " | ".join(
-                _fmt_us(ref.get(t, {}).get("floor_us")) for t in ts) + " |")
-            if any(ref.get(t, {}).get("floor_with_flag_us") is not None for t in ts):
-                lines.append("| floor + flag round trip, µs | " + " | ".join(
-                    _fmt_us(ref.get(t, {}).get("floor_with_flag_us")) for t in ts) + " |")
-            for arm in ("afdep", "nccl"):
-                if arm in arms:
-                    lines.append(f"| {arm} achieved GB/s | " + " | ".join(
-                        _fmt_gbps(get.get((arm, t), {}).get("achieved_GBps")) for t in ts)
-                        + " |")
-        lines.append("")
-        bad = [r for r in sub if r["status"] != "ok"]
-        for r in bad:
-            err = "; ".join(r["errors"])[:300] if r["errors"] else ""
-            lines.append(f"- {r['arm']} T={r['tokens']}: {r['status']} "
-                         f"({', '.join(r['repeat_status'])}) {err}".rstrip())
-        if bad:
-            lines.append("")
+        for rl in present_layouts(rows):
+            lines += _group_table(rows, comps, arms, layout, hidden, dtype, routing, rl)
     notes = doc.get("notes") or []
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+LAYOUT_TITLES = {"experts": "expert layout", "tokens": "token layout"}
+
+
+def present_layouts(rows: List[Dict[str, Any]]) -> List[str]:
+    """Receive layouts that have rows (nccl_bare's "any" aside), experts first."""
+    have = {r.get("receive_layout", "experts") for r in rows} - {BARE_LAYOUT}
+    return [x for x in ("experts", "tokens") if x in have] + sorted(have - {"experts",
+                                                                            "tokens"})
+
+
+def _targets_table(tg: List[Dict[str, Any]]) -> List[str]:
+    """The token layout's two target numbers per group (``targets``), afdep arm."""
+    if not tg:
+        return []
+    lines = ["## Token layout: the targets (afdep arm, this run)", "",
+             "| layout | hidden | dtype | routing | tokens, µs (small T) | vs symmetric tokens "
+             "| experts, µs (small T) | tokens / experts (large T) | tokens faster |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in tg:
+        ratio = e.get("tokens_over_experts_large")
+        lines.append(
+            f"| {e['layout']} | {e['hidden']:,} | {e['dtype'].upper()} | {e['routing']} | "
+            f"T={e['small_tokens']:,}: {_fmt_us(e.get('tokens_small_us'))} | "
+            f"{_fmt_pct(e.get('tokens_small_vs_symmetric_pct'))} | "
+            f"{_fmt_us(e.get('experts_small_us'))} | "
+            f"T={e['large_tokens']:,}: {'—' if ratio is None else f'{ratio:.3f}×'} | "
+            f"{e.get('tokens_wins_large') or '—'} |")
+    lines += ["", "Small T is the smallest T of the grid (T=1 by default), large T the largest "
+              "(T=2,048); tokens / experts is the geometric mean of the per-repeat ratios "
+              "(both layouts ran in the same world of each repeat).", ""]
+    return lines
+
+
+def _group_table(rows, comps, arms, layout, hidden, dtype, routing, rl) -> List[str]:
+    """One table: T columns x arms of receive layout ``rl`` (nccl_bare's layout-free row
+    too), the same-layout comparisons, and for the token layout the paired change against
+    the expert layout of the same arm."""
+    sub = [r for r in rows if (r["layout"], r["hidden"], r["dtype"], r["routing"]) ==
+           (layout, hidden, dtype, routing)
+           and r.get("receive_layout", "experts") in (rl, BARE_LAYOUT)]
+    if not any(r.get("receive_layout", "experts") == rl for r in sub):
+        return []
+    ts = sorted({r["tokens"] for r in sub})
+    lines = [f"## {layout}, hidden {hidden:,}, {dtype.upper()}, {routing} routing, "
+             f"{LAYOUT_TITLES.get(rl, rl)}", ""]
+    lines.append("| | " + " | ".join(f"T={t:,}" for t in ts) + " |")
+    lines.append("|---|" + "---|" * len(ts))
+    get = {(r["arm"], r["tokens"]): r for r in sub}
+    for arm in arms:
+        if not any(r["arm"] == arm for r in sub):
+            continue
+        cells = []
+        for t in ts:
+            r = get.get((arm, t))
+            if r is None:
+                cells.append("—")
+            elif r["latency_us"] is None:
+                cells.append(r["status"])
+            else:
+                s = _fmt_us(r["latency_us"])
+                cells.append(s + ("*" if r["status"] != "ok" else ""))
+        eager = any(r["arm"] == arm and r.get("graph") is False for r in sub)
+        label = f"{arm} (eager, no graph)" if eager else arm
+        if arm == "nccl_bare":
+            label += " (any layout)"
+        lines.append(f"| {label}, µs | " + " | ".join(cells) + " |")
+    spread_arms = [x for x in ("afdep", "symmetric") if x in arms]
+    if spread_arms and any((get.get((x, t)) or {}).get("repeat_spread") is not None
+                           for x in spread_arms for t in ts):
+        lines.append(f"| repeat spread (slowest / fastest), {' / '.join(spread_arms)} | "
+                     + " | ".join(" / ".join(
+                         _fmt_spread((get.get((x, t)) or {}).get("repeat_spread"))
+                         for x in spread_arms) for t in ts) + " |")
+    pairs = [(a, rl, b, rl, f"{a} vs {b}") for a, b in COMPARISONS]
+    if rl == "tokens":
+        pairs += [(a, "tokens", a, "experts", f"{a} tokens vs experts")
+                  for a in CROSS_LAYOUT_ARMS]
+    for a_arm, a_rl, b_arm, b_rl, label in pairs:
+        found = [find_comparison(comps, layout, hidden, dtype, routing, t, a_arm, a_rl, b_arm,
+                                 b_rl) for t in ts]
+        if all(c is None for c in found):
+            continue
+        cells = ["—" if c is None or c["change_pct"] is None else
+                 f"{_fmt_pct(c['change_pct'])} ({c['wins']})" for c in found]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ref = get_any(get, ts, ("afdep", "symmetric", "nccl"))
+    if any(ref.get(t, {}).get("floor_us") is not None for t in ts):
+        lines.append("| data floor at ceiling, µs | " + " | ".join(
+            _fmt_us(ref.get(t, {}).get("floor_us")) for t in ts) + " |")
+        if any(ref.get(t, {}).get("floor_with_flag_us") is not None for t in ts):
+            lines.append("| floor + flag round trip, µs | " + " | ".join(
+                _fmt_us(ref.get(t, {}).get("floor_with_flag_us")) for t in ts) + " |")
+        for arm in ("afdep", "nccl"):
+            if arm in arms:
+                lines.append(f"| {arm} achieved GB/s | " + " | ".join(
+                    _fmt_gbps(get.get((arm, t), {}).get("achieved_GBps")) for t in ts)
+                    + " |")
+    lines.append("")
+    bad = [r for r in sub if r["status"] != "ok"]
+    for r in bad:
+        err = "; ".join(r["errors"])[:300] if r["errors"] else ""
+        lines.append(f"- {r['arm']} T={r['tokens']}: {r['status']} "
+                     f"({', '.join(r['repeat_status'])}) {err}".rstrip())
+    if bad:
+        lines.append("")
+    return lines
 
 
 def present_arms(rows: List[Dict[str, Any]]) -> List[str]:
@@ -513,16 +686,21 @@ def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
                (layout, hidden, dtype, routing)]
         by = {}
         for arm in arms:
-            pts = sorted((r["tokens"], r["latency_us"]) for r in sub
-                         if r["arm"] == arm and r["latency_us"] is not None)
-            if pts:
+            for rl in present_layouts(rows) + [BARE_LAYOUT]:
+                pts = sorted((r["tokens"], r["latency_us"]) for r in sub
+                             if r["arm"] == arm and r.get("receive_layout", "experts") == rl
+                             and r["latency_us"] is not None)
+                if not pts:
+                    continue
                 color, mk = styles.get(arm, (None, "x"))
-                ls = "--" if arm == "nccl_bare" else "-"
+                ls = {"experts": "-", "tokens": "--"}.get(rl, ":")
+                label = arm if rl == BARE_LAYOUT else f"{arm} {rl}"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker=mk, color=color,
-                        label=arm, ms=4)
-                by[arm] = dict(pts)
+                        label=label, ms=4)
+                by[(arm, rl)] = dict(pts)
         fl = sorted((r["tokens"], r["floor_us"]) for r in sub
-                    if r["arm"] == "afdep" and r.get("floor_us"))
+                    if r["arm"] == "afdep" and r.get("floor_us")
+                    and r.get("receive_layout", "experts") == "experts")
         if fl:
             ax.plot([p[0] for p in fl], [p[1] for p in fl], ":", color="k", label="data floor")
         ax.set_xscale("log")
@@ -533,22 +711,30 @@ def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
         if cc == 0:
             ax.set_ylabel("round trip, µs")
         if i == 0:
-            ax.legend(fontsize=7)
-        if "afdep" in by:
-            for base in ("symmetric", "nccl"):
-                if base in by:
-                    ts = sorted(set(by["afdep"]) & set(by[base]))
-                    if ts:
-                        color, mk = styles[base]
-                        axr.plot(ts, [by["afdep"][t] / by[base][t] for t in ts], "-",
-                                 marker=mk, color=color, ms=3, label=f"afdep / {base}")
+            ax.legend(fontsize=6)
+        # ratio panel: afdep against symmetric and nccl of the same layout, and afdep
+        # tokens against afdep experts
+        ratios = [(("afdep", rl), (base, rl), styles[base][0], ls, f"afdep/{base} {rl}")
+                  for rl, ls in (("experts", "-"), ("tokens", "--"))
+                  for base in ("symmetric", "nccl")]
+        ratios.append((("afdep", "tokens"), ("afdep", "experts"), "k", "-.",
+                       "afdep tokens/experts"))
+        drawn = False
+        for num, den, color, ls, label in ratios:
+            if num in by and den in by:
+                ts = sorted(set(by[num]) & set(by[den]))
+                if ts:
+                    axr.plot(ts, [by[num][t] / by[den][t] for t in ts], ls, marker=".",
+                             color=color, ms=3, label=label)
+                    drawn = True
+        if drawn:
             axr.axhline(1.0, color="k", lw=0.7)
             axr.set_xscale("log")
             axr.grid(True, which="both", alpha=0.3)
             if cc == 0:
                 axr.set_ylabel("ratio")
             if i == 0:
-                axr.legend(fontsize=6)
+                axr.legend(fontsize=5)
         axr.set_xlabel("tokens per Attention rank (T)")
     m = doc.get("machine", {})
     fig.suptitle(f"torch_afdep AFD round trip, {m.get('name', '')}, {doc.get('commit', '')}",

@@ -3,13 +3,16 @@
     python -m benchmarks.run [--layout 1A1F] [--hidden 2048 4096 7168] [--dtype bf16 fp8]
                              [--routing random skewed] [--tokens 1 8 32 128 512 2048]
                              [--arms afdep symmetric nccl nccl_bare] [--repeats 3]
+                             [--receive-layouts experts tokens] [--gpus N]
                              [--replays 200] [--quick] [--dry-run]
 
 Arms (same contract, docs/contract.md): ``afdep`` (role-aware kernels), ``symmetric`` (the
 same kernels with AFDEP_SYMMETRIC=1), ``nccl`` (all_to_all_single + torch ops), and
-``nccl_bare`` (one bare all_to_all_single each way, a reference line). Each repeat spawns
-one fresh process group per (arm, layout) covering all cells, arms interleaved (rotated
-each repeat). Writes results/benchmarks/<machine>-<date>.{json,md,png} (``--out-dir``).
+``nccl_bare`` (one bare all_to_all_single each way, a reference line). Every arm but
+``nccl_bare`` runs each receive layout (``Config(receive_layout=...)``: "experts", "tokens");
+``nccl_bare`` does not depend on it and runs once per cell. Each repeat spawns one fresh
+process group per (arm, layout) covering all cells of both receive layouts, arms
+interleaved (rotated each repeat). Writes results/benchmarks/<machine>-<date>.{json,md,png} (``--out-dir``).
 Method and caveats: benchmarks/README.md.
 """
 
@@ -28,16 +31,19 @@ import time
 from typing import Any, Dict, List, Optional
 
 from torch_afdep import env as afdep_env
+from torch_afdep import mps
 
 from . import common, report
 
 DEFAULTS = dict(experts=128, top_k=8, capacity=2048, sms=24, hidden=[2048, 4096, 7168],
                 dtype=["bf16", "fp8"], routing=["random", "skewed"],
                 tokens=[1, 8, 32, 128, 512, 2048], layout=["1A1F"], repeats=3, replays=200,
-                arms=["afdep", "symmetric", "nccl", "nccl_bare"])
+                arms=["afdep", "symmetric", "nccl", "nccl_bare"],
+                receive_layouts=["experts", "tokens"])
 QUICK = dict(hidden=[2048], dtype=["bf16"], routing=["random"], tokens=[1, 128], repeats=2,
              replays=30, warmup=5)
 ARMS = ("afdep", "symmetric", "nccl", "nccl_bare")
+RECEIVE_LAYOUTS = ("experts", "tokens")
 ARM_ENV = {"afdep": {}, "symmetric": {afdep_env.SYMMETRIC: "1"}, "nccl": {},
            "nccl_bare": {}}
 ARM_BACKEND = {"afdep": "gloo", "symmetric": "gloo", "nccl": "cpu:gloo,cuda:nccl",
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run (the symmetric arm stays fully reverted)")
     g.add_argument("--arms", nargs="+", choices=ARMS, default=None,
                    help="arms to run (default all four)")
+    g.add_argument("--receive-layouts", nargs="+", choices=RECEIVE_LAYOUTS, default=None,
+                   help="Config.receive_layout of the afdep, symmetric and nccl arms, each "
+                        "measured in the same worlds (default experts tokens); nccl_bare "
+                        "runs once per cell whatever this says")
     g.add_argument("--experts", type=int, default=DEFAULTS["experts"])
     g.add_argument("--top-k", type=int, default=DEFAULTS["top_k"])
     g.add_argument("--capacity", type=int, default=DEFAULTS["capacity"],
@@ -185,19 +195,24 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--top-k must be in [1, --experts]")
     args.arms = list(dict.fromkeys(args.arms))
     args.layout = list(dict.fromkeys(args.layout))
+    args.receive_layouts = list(dict.fromkeys(args.receive_layouts))
 
 
 # ---- plan ---------------------------------------------------------------------------------
 def make_plan(args: argparse.Namespace, n_gpus: int) -> Dict[str, Any]:
-    cells = [{"hidden": h, "dtype": d, "routing": r, "tokens": t}
-             for h in args.hidden for d in args.dtype for r in args.routing for t in args.tokens]
+    """Cells: receive layout outermost, so a world runs every expert-layout cell before the
+    token-layout ones (one buffer per (receive layout, hidden, dtype) at a time, and a failure
+    in one layout that ends the world leaves the other's cells measured)."""
+    cells = [{"receive_layout": rl, "hidden": h, "dtype": d, "routing": r, "tokens": t}
+             for rl in args.receive_layouts for h in args.hidden for d in args.dtype
+             for r in args.routing for t in args.tokens]
     layouts = []
     for lay in args.layout:
         a, f = parse_layout(lay)
         layouts.append({"name": lay, "attention": a, "ffn": f,
                         "gpus": report.gpu_of_ranks(a + f, n_gpus)})
     return {"cells": cells, "layouts": layouts, "arms": list(args.arms),
-            "repeats": args.repeats, "experts": args.experts, "top_k": args.top_k,
+            "receive_layouts": list(args.receive_layouts), "repeats": args.repeats, "experts": args.experts, "top_k": args.top_k,
             "capacity": args.capacity, "sms": args.sms}
 
 
@@ -207,12 +222,24 @@ def arm_order(arms: List[str], repeat: int) -> List[str]:
     return arms[k:] + arms[:k]
 
 
+def ranks_per_gpu(gpus: List[int]) -> int:
+    """The most ranks of one layout placed on any one GPU."""
+    return max((gpus.count(g) for g in set(gpus)), default=0)
+
+
 def skip_reason(arm: str, world: int, n_gpus: int, probe: Dict[str, Any],
-                cpu_smoke: bool = False) -> Optional[str]:
+                cpu_smoke: bool = False, gpus: Optional[List[int]] = None) -> Optional[str]:
+    """Why ``arm`` cannot run a layout of ``world`` ranks here (None: it can). ``gpus``, the
+    layout's GPU of every rank, also checks that ranks sharing a GPU have CUDA MPS (without
+    it the afdep arms' spinning kernels time-slice the GPU: ~1,000x slower)."""
     if cpu_smoke:
         return None
     if arm in ("nccl", "nccl_bare") and world > n_gpus:
         return (f"NCCL needs one GPU per rank: {world} ranks on {n_gpus} GPU(s)")
+    if arm in ("afdep", "symmetric") and gpus is not None:
+        problem = mps.shared_gpu_problem(ranks_per_gpu(gpus))
+        if problem:
+            return problem
     if arm in ("afdep", "symmetric") and probe.get("afdep_cuda_ext") is False:
         return ("torch_afdep._cuda does not import ("
                 f"{probe.get('afdep_cuda_ext_error')}); build it: "
@@ -383,6 +410,7 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "ffn_ranks": layout["ffn"], "experts": args.experts, "top_k": args.top_k,
             "capacity": args.capacity, "sms": args.sms, "kernel_timeout_s": args.kernel_timeout,
             "ctrl_timeout_s": max(60.0, 3 * args.kernel_timeout), "cells": plan["cells"],
+            "indices": report.arm_cells(arm, plan),
             "warmup": args.warmup, "replays": args.replays, "eager_steps": args.eager_steps,
             "seed": args.seed, "check_tol": args.check_tol, "out_dir": out_dir,
             "attention_delay_us": 0.0 if args.cpu_smoke else args.attention_delay_us,
@@ -478,6 +506,7 @@ def build_doc(raw: List[Dict[str, Any]], plan: Dict[str, Any], probe: Dict[str, 
             "method": METHOD, "notes": list(notes) + sanity_notes(rows, raw),
             "worlds": [world_summary(w) for w in raw],
             "registered": report.registered_summary(rows),
+            "targets": report.targets(rows),
             "results": rows, "comparisons": comps}
 
 
@@ -493,22 +522,40 @@ def _probe(args, n_gpus: int) -> Dict[str, Any]:
     return ranks[0]
 
 
-def _dry_run(args, plan, n_gpus: int) -> int:
-    n = len(plan["cells"])
+def estimate_run_s(args: argparse.Namespace, plan: Dict[str, Any], n_gpus: int) -> float:
+    """Estimated wall time of the whole run: every world that is not skipped, each repeat."""
     total = 0.0
-    print(f"{n} cells x {len(plan['arms'])} arms x {args.repeats} repeats x "
-          f"{len(plan['layouts'])} layout(s); {args.replays} timed replays per cell")
     for lay in plan["layouts"]:
         world = lay["attention"] + lay["ffn"]
-        est = estimate_world_s(n, args, world)
-        print(f"  {lay['name']}: {world} ranks on GPUs {lay['gpus']}; ~{est:.0f} s per world")
         for arm in plan["arms"]:
-            why = skip_reason(arm, world, n_gpus, {}) if n_gpus else None
+            if n_gpus and skip_reason(arm, world, n_gpus, {}):
+                continue
+            total += estimate_world_s(len(report.arm_cells(arm, plan)), args, world)
+    return total * args.repeats
+
+
+def _dry_run(args, plan, n_gpus: int) -> int:
+    n = len(plan["cells"])
+    print(f"{n} cells ({' + '.join(plan['receive_layouts'])} receive layouts; nccl_bare runs "
+          f"{len(report.arm_cells('nccl_bare', plan))}) x {len(plan['arms'])} arms x "
+          f"{args.repeats} repeats x {len(plan['layouts'])} layout(s); {args.replays} timed "
+          f"replays per cell")
+    for lay in plan["layouts"]:
+        world = lay["attention"] + lay["ffn"]
+        print(f"  {lay['name']}: {world} ranks on GPUs {lay['gpus']}")
+        for arm in plan["arms"]:
+            why = skip_reason(arm, world, n_gpus, {}, gpus=lay["gpus"]) if n_gpus else None
             if why:
                 print(f"    {arm}: skipped ({why})")
             else:
-                total += est * args.repeats
-    print(f"estimated wall time: ~{total / 60:.1f} min (plus ~20 s of probes)")
+                est = estimate_world_s(len(report.arm_cells(arm, plan)), args, world)
+                print(f"    {arm}: ~{est:.0f} s per world")
+    total = estimate_run_s(args, plan, n_gpus)
+    print(f"estimated wall time: ~{total / 60:.1f} min (plus ~20 s of probes; arms skipped "
+          "above only for want of MPS are counted, as if it ran)")
+    if args.time_budget > 0 and total > args.time_budget:
+        print(f"note: more than --time-budget {args.time_budget:.0f} s: the run would stop "
+              "starting worlds there (raise --time-budget, or fewer --repeats / cells)")
     return 0
 
 
@@ -555,8 +602,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     machine = {"name": common.machine_name(names) or ("cpu-smoke" if args.cpu_smoke
                                                       else "unknown"),
                "gpus": names, "count": len(names) or n_gpus, "driver": smi.get("driver"),
-               "capability": probe.get("capability"), "sm_count": probe.get("sm_count")}
-    stem = args.name or f"{common.machine_slug(names)}-{common.timestamp(started)}"
+               "capability": probe.get("capability"), "sm_count": probe.get("sm_count"),
+               "gpus_used": n_gpus, "mps_running": mps.mps_running()}
+    used = names[:n_gpus] if n_gpus else names
+    stem = args.name or f"{common.machine_slug(used)}-{common.timestamp(started)}"
     paths = {ext: common.output_path(args.out_dir, stem, ext) for ext in ("json", "md", "png")}
     work_dir = tempfile.mkdtemp(prefix="afdep-bench-")
     notes = ["The data floor counts payload bytes only (FP8 scales included, ids/weights and "
@@ -565,8 +614,15 @@ def main(argv: Optional[List[str]] = None) -> int:
              "a flag between the first Attention and the first FFN rank, measured in each "
              "afdep world by a one-thread ping-pong kernel over the same windows (CUDA "
              "only; 1,000 round trips after 100 warm-up ones).",
-             "bucket = T in every cell; the FFN 'expert' is a BF16 cast of the received rows "
-             "(the identity for BF16 payloads) in every arm.",
+             "bucket = T in every cell; the FFN's stand-in 'expert' is the same in every arm "
+             "and both receive layouts: a BF16 reply of ones made once per cell, whose first "
+             "128 columns each step overwrites with the received rows' first 128 columns cast "
+             "to BF16 (a few µs at most; no full-row cast of FP8 payloads). The output check "
+             "compares those columns with the payload and the rest with the row counts.",
+             "receive_layout 'experts' = expert-major rows (Received), 'tokens' = one row per "
+             "token (TokenReceived); both layouts of one arm run in the same world of each "
+             "repeat, experts first. nccl_bare does not depend on the layout: its rows say "
+             "receive_layout 'any' and are timed once per cell.",
              "nccl_bare moves T x H elements of the payload dtype per pair in dispatch "
              "(1 byte for FP8, no scales) and T x H BF16 back."]
     if probe.get("peer_copy_ceiling_GBps") is None:
@@ -574,8 +630,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      + "; ".join(probe.get("errors") or ["fewer than 2 GPUs"]))
 
     raw: List[Dict[str, Any]] = []
-    n_cells = len(plan["cells"])
-    total = n_cells * len(plan["arms"]) * len(plan["layouts"]) * args.repeats
+    arm_n = {arm: len(report.arm_cells(arm, plan)) for arm in plan["arms"]}
+    total = sum(arm_n.values()) * len(plan["layouts"]) * args.repeats
     progress = Progress(total)
     done = 0
     budget_stop: Optional[str] = None
@@ -591,9 +647,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             for lay in plan["layouts"]:
                 world = lay["attention"] + lay["ffn"]
                 for arm in arm_order(plan["arms"], rep):
-                    why = skip_reason(arm, world, n_gpus, probe, args.cpu_smoke)
+                    n_cells = arm_n[arm]
+                    why = skip_reason(arm, world, n_gpus, probe, args.cpu_smoke,
+                                      gpus=lay["gpus"])
                     if why is None and budget_stop is None and args.time_budget > 0:
-                        est = world_times.get(lay["name"],
+                        est = world_times.get((lay["name"], n_cells),
                                               estimate_world_s(n_cells, args, world))
                         if time.monotonic() - t_start + est > args.time_budget:
                             budget_stop = (f"time budget {args.time_budget:.0f} s reached: "
@@ -614,8 +672,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     timeout)
                     raw.append(ent)
                     if ent["status"] == "ran":
-                        world_times[lay["name"]] = max(world_times.get(lay["name"], 0.0),
-                                                       ent["wall_s"])
+                        key = (lay["name"], n_cells)
+                        world_times[key] = max(world_times.get(key, 0.0), ent["wall_s"])
                     done += n_cells
                     progress.set(done)
                     if ent["error"]:
@@ -654,9 +712,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 METHOD = (
     "Each repeat spawns one fresh process group per (arm, layout) covering every cell; arm "
-    "order rotates each repeat. Per cell: fresh inputs (the same in every arm of a repeat), "
+    "order rotates each repeat; a world runs both receive layouts (experts, then tokens). "
+    "Per cell: fresh inputs (the same in every arm of a repeat), "
     "eager warm-up exchanges checked against the expected output, one CUDA graph per role "
-    "step (Attention: dispatch + collect; FFN: receive + BF16 cast + reply), warm-up "
+    "step (Attention: dispatch + collect; FFN: receive + stand-in expert (the first 128 "
+    "columns of each row copied into a precomputed BF16 reply) + reply), warm-up "
     "replays, then timed replays, each after torch.cuda.synchronize() and a gloo barrier, "
     "timed with CUDA events on Attention ranks. A repeat's latency is the max over Attention "
     "ranks of each rank's median; latency_us is the median over repeats; comparisons are the "

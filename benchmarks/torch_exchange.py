@@ -14,6 +14,17 @@ that every step is graph-capturable (static shapes, no host sync):
 - combine: the FFN rank sums each token's rows in fp32 and sends one BF16 row per token
   back; the Attention rank sums the rows of its FFN ranks in fp32 and returns BF16.
 
+The token layout (``Config(receive_layout="tokens")``) is built from the same dispatch:
+``token_view`` gives the FFN rank one row per received token (a view of the received bytes)
+with its local expert ids in the source's column order and their weights; the FFN sends one
+row per token back with no reduction, and the Attention rank sums, per token, the rows of
+the FFN ranks the token reached (``collect_tokens``).
+
+The benchmark's stand-in "expert" (``new_reply`` + ``stand_in_expert``) is the same in every
+arm: a BF16 reply tensor made once (ones), whose first ``EXPERT_COLS`` columns each step
+overwrites with the received rows' first columns cast to BF16. It costs a few µs at most
+in every cell, and the reply still carries each token's payload back for the check.
+
 The helpers here are device-agnostic functions of tensors (tests check them on the CPU
 against ``torch_afdep.reference``); the communication itself lives in ``benchmarks.arms``.
 """
@@ -28,6 +39,9 @@ from torch_afdep import reference as ref
 from torch_afdep.config import FP8_BLOCK
 
 _ALIGN = 16
+
+#: Columns of each received row the stand-in expert copies into its reply (one FP8 block).
+EXPERT_COLS = 128
 
 
 class RowLayout(NamedTuple):
@@ -189,3 +203,73 @@ def splits(roles: Sequence[str], role: str, count: int) -> list:
     """all_to_all_single split sizes in group-rank order: ``count`` rows to/from each rank of
     ``role``, 0 for the others."""
     return [count if r == role else 0 for r in roles]
+
+
+# ---- the token layout ---------------------------------------------------------------------
+class TokenView(NamedTuple):
+    """An FFN rank's received tokens in the token layout, as ``worker_receive`` of a
+    ``Config(receive_layout="tokens")`` buffer returns them (n = A*bucket rows, source a's
+    tokens at rows [a*bucket, (a+1)*bucket), row = token index)."""
+
+    x: torch.Tensor                  # [n, H] payload dtype, a view of the received bytes
+    x_scales: Optional[torch.Tensor] # [n, H/128] float32 view, FP8 only
+    expert_ids: torch.Tensor         # [n, k] int32 local ids in column order, -1 elsewhere
+    weights: torch.Tensor            # [n, k] float32, 0 where the id is -1
+    src_rank: torch.Tensor           # [n] int32 group rank of the source, -1: no token
+    src_token: torch.Tensor          # [n] int32 token index at the source, -1: no token
+    num_tokens: torch.Tensor         # [A] int32 tokens that reached this rank per source
+
+
+def token_view(received: Unpacked, ffn_index: int, experts_per_rank: int, bucket: int,
+               source_ranks: torch.Tensor) -> TokenView:
+    """FFN side, token layout: received rows -> one row per token (static shapes, no host
+    sync, no payload copy). A row "holds a token" when at least one of its ids is local
+    (padding rows and tokens of other FFN ranks have every id -1)."""
+    n = received.expert_ids.shape[0]
+    local = ref.local_expert_ids(received.expert_ids, ffn_index, experts_per_rank)
+    mine = local >= 0
+    weights = torch.where(mine, received.weights, torch.zeros_like(received.weights))
+    held = mine.any(dim=1)
+    row = torch.arange(n, device=local.device)
+    src_a = torch.div(row, bucket, rounding_mode="floor")
+    none = torch.full((n,), -1, dtype=torch.int32, device=local.device)
+    src_rank = torch.where(held, source_ranks.to(torch.int32).index_select(0, src_a), none)
+    src_token = torch.where(held, (row - src_a * bucket).to(torch.int32), none)
+    num_tokens = held.view(-1, bucket).sum(dim=1).to(torch.int32)
+    return TokenView(received.x, received.x_scales, local.to(torch.int32), weights, src_rank,
+                     src_token, num_tokens)
+
+
+def collect_tokens(replies: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
+    """Attention side of the token layout's combine: replies [F, bucket, H] BF16 (one row per
+    token from every FFN rank), reach [T, F] bool (token t reached FFN index f) -> [T, H]
+    BF16, the fp32 sum of the rows of the FFN ranks each token reached (the rows of the
+    others are ignored, as the contract says)."""
+    t = reach.shape[0]
+    rows = replies[:, :t].to(torch.float32)
+    keep = reach.t()[:, :, None]
+    return torch.where(keep, rows, torch.zeros_like(rows)).sum(dim=0).to(torch.bfloat16)
+
+
+# ---- the stand-in expert (every arm) ------------------------------------------------------
+def new_reply(rows: int, hidden: int, device) -> torch.Tensor:
+    """[rows, H] BF16 ones: the stand-in expert's reply, made once per cell (not timed)."""
+    return torch.ones(rows, hidden, dtype=torch.bfloat16, device=device)
+
+
+def stand_in_expert(reply: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The timed "expert": copy the first ``EXPERT_COLS`` columns of the received rows ``x``
+    [rows, H] (any payload dtype) into ``reply`` as BF16; the other columns stay 1. Returns
+    ``reply``. A token gets back ``stand_in_row`` of its row times its reply-row count."""
+    c = min(EXPERT_COLS, reply.shape[1])
+    reply[:, :c].copy_(x[:, :c])
+    return reply
+
+
+def stand_in_row(x: torch.Tensor) -> torch.Tensor:
+    """[T, H] float32: what the stand-in expert replies for each source row of ``x``
+    (its first ``EXPERT_COLS`` columns in BF16, then ones)."""
+    c = min(EXPERT_COLS, x.shape[1])
+    out = torch.ones(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    out[:, :c] = x[:, :c].to(torch.bfloat16).to(torch.float32)
+    return out

@@ -1,10 +1,13 @@
 """Where the round trip's time goes: per-stage medians from the kernels' %globaltimer trace.
 
     python -m benchmarks.trace [--tokens 1 128 2048] [--hidden 4096] [--arms afdep symmetric]
-                               [--repeats N] [--afdep-env NAME=VALUE ...]
+                               [--receive-layout experts|tokens] [--repeats N]
+                               [--afdep-env NAME=VALUE ...]
 
-Runs 1A1F on two GPUs (fresh processes per arm, ``AFDEP_TRACE=1``), the same graph step and
-alignment as ``benchmarks.run``'s afdep arm, then reads every rank's trace ring (the last 64
+Runs 1A1F on two GPUs (or both ranks on one GPU under CUDA MPS when only one is visible;
+its stages then share one clock), fresh processes per arm, ``AFDEP_TRACE=1``, the same
+graph step and alignment as ``benchmarks.run``'s afdep arm (``--receive-layout`` picks the
+buffer's ``Config.receive_layout``), then reads every rank's trace ring (the last 64
 exchanges) and prints, per token count, median stage times in µs. Stages on one GPU are exact;
 stages that cross GPUs (marked ``x``) assume the two GPUs' %globaltimer agree, which the
 ``x clock check`` line lets you judge (a flag crossing should take ~1 µs, never < 0).
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import arms, common
+from torch_afdep import mps
 
 # trace points (csrc/core/layout.h TracePoint)
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
@@ -68,6 +72,16 @@ STAMP_STAGES = [
 OUTSIDE = "A event latency - kernels total"
 
 
+def trace_devices(n_gpus: int, mps_running: bool) -> Optional[List[int]]:
+    """The GPU of each of the two ranks: [0, 1] with two GPUs, [0, 0] on one GPU under MPS
+    (without MPS two spinning ranks time-slice one GPU), None when neither is possible."""
+    if n_gpus >= 2:
+        return [0, 1]
+    if n_gpus == 1 and mps_running:
+        return [0, 0]
+    return None
+
+
 def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch_afdep
 
@@ -75,11 +89,13 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
 
     rk = arms._Rank(rank, world, spec)
     out: Dict[str, Any] = {"rows": []}
-    cfg = rk.config(spec["hidden"], spec["dtype"])
+    rl = spec.get("receive_layout", "experts")
+    cfg = rk.config(spec["hidden"], spec["dtype"], rl)
     buf = torch_afdep.Buffer(None, cfg, device=rk.device)
     try:
         for i, T in enumerate(spec["tokens"]):
-            cell = {"arm": spec["arm"], "layout": "1A1F", "hidden": spec["hidden"],
+            cell = {"arm": spec["arm"], "layout": "1A1F", "receive_layout": rl,
+                    "hidden": spec["hidden"],
                     "dtype": spec["dtype"], "routing": spec["routing"], "tokens": T}
             c = arms._AfdepCell(rk, cfg, cell, 1000 + i, buf)
             c.setup()
@@ -187,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     p.add_argument("--routing", default="random")
+    p.add_argument("--receive-layout", default="experts", choices=["experts", "tokens"],
+                   help="Config.receive_layout of the traced buffers")
     p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"],
                    choices=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)
@@ -205,8 +223,11 @@ def main(argv=None) -> int:
     if min(args.tokens) < 1 or (args.capacity and max(args.tokens) > args.capacity):
         p.error(f"--tokens must be in [1, --capacity={args.capacity or 'max T'}], "
                 f"got {args.tokens}")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print("benchmarks.trace needs two CUDA GPUs", file=sys.stderr)
+    devices = trace_devices(torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                            mps.mps_running())
+    if devices is None:
+        print("benchmarks.trace needs two CUDA GPUs, or one with CUDA MPS running "
+              f"(`{mps.START_COMMAND}`, as scripts/gpu_suite.sh does)", file=sys.stderr)
         return 2
     import tempfile
 
@@ -219,25 +240,27 @@ def main(argv=None) -> int:
                     "sms": args.sms,
                     "kernel_timeout_s": 20.0, "ctrl_timeout_s": 120, "hidden": args.hidden,
                     "dtype": args.dtype, "routing": args.routing, "tokens": args.tokens,
+                    "receive_layout": args.receive_layout,
                     "warmup": 10, "replays": args.replays,
                     "attention_delay_us": args.attention_delay_us,
                     "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir}
             env = {"AFDEP_TRACE": "1"}
             env.update({"AFDEP_SYMMETRIC": "1"} if arm == "symmetric" else afdep_env)
-            res, error = common.spawn(body, 2, spec, device_ids=[0, 1], env=env, timeout=600)
+            res, error = common.spawn(body, 2, spec, device_ids=devices, env=env, timeout=600)
             if res is None:
                 print(f"benchmarks.trace: {arm} repeat {rep} failed: {error}", file=sys.stderr)
                 return 1
             rows = res[0]["rows"] or res[1]["rows"]
             results[arm].append(rows)
             extra = f", {' '.join(args.afdep_env)}" if arm == "afdep" and args.afdep_env else ""
-            _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F H{args.hidden} {args.dtype} "
+            _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F {args.receive_layout} layout, "
+                        f"GPUs {devices}, H{args.hidden} {args.dtype} "
                         f"{args.routing}, {args.sms} SMs, {args.replays} replays", rows)
     if args.out:
         names = common.nvidia_smi().get("names") or []
         common.write_json(args.out, {"args": vars(args), "results": results,
                                      "machine": common.machine_name(names),
-                                     "commit": common.git_commit(),
+                                     "commit": common.git_commit(), "devices": devices,
                                      "env": dict(common.software(), vars=common.recorded_env())})
     return 0
 

@@ -34,6 +34,7 @@ def test_defaults_match_the_issue():
     assert a.routing == ["random", "skewed"]
     assert a.tokens == [1, 8, 32, 128, 512, 2048]
     assert a.arms == ["afdep", "symmetric", "nccl", "nccl_bare"]
+    assert a.receive_layouts == ["experts", "tokens"]
     assert (a.experts, a.top_k, a.capacity, a.sms) == (128, 8, 2048, 24)
     assert a.repeats >= 3 and a.replays >= 200
 
@@ -81,7 +82,13 @@ def test_plan_maps_ranks_round_robin_and_skips_nccl_when_gpus_are_shared():
     plan = run.make_plan(a, 2)
     gpus = {lay["name"]: lay["gpus"] for lay in plan["layouts"]}
     assert gpus == {"1A1F": [0, 1], "2A2F": [0, 1, 0, 1], "7A1F": [0, 1] * 4}
-    assert len(plan["cells"]) == 2
+    assert len(plan["cells"]) == 4  # 2 T x 2 receive layouts, experts first
+    assert [c["receive_layout"] for c in plan["cells"]] == ["experts"] * 2 + ["tokens"] * 2
+    assert report.arm_cells("afdep", plan) == [0, 1, 2, 3]
+    assert report.arm_cells("nccl_bare", plan) == [0, 1]  # layout-free: timed once per cell
+    one = run.make_plan(run.parse_args(["--receive-layouts", "tokens", "--quick"]), 2)
+    assert report.arm_cells("nccl_bare", one) == [0, 1]
+    assert {c["receive_layout"] for c in one["cells"]} == {"tokens"}
     assert run.skip_reason("nccl", 2, 2, {}) is None
     assert "one GPU per rank" in run.skip_reason("nccl", 4, 2, {})
     assert run.skip_reason("afdep", 8, 2, {"afdep_cuda_ext": True}) is None
@@ -98,11 +105,28 @@ def test_arm_order_rotates_across_repeats():
 
 
 def test_default_grid_fits_the_time_budget_estimate():
+    """Both receive layouts, full grid: on one GPU (the NCCL arms skip: one GPU per rank)
+    within about 8 minutes and the default --time-budget; two GPUs need more (or fewer
+    repeats)."""
     a = run.parse_args([])
-    plan = run.make_plan(a, 2)
-    per_world = run.estimate_world_s(len(plan["cells"]), a, 2)
-    total = per_world * len(a.arms) * a.repeats
-    assert total < 8 * 60
+    one = run.estimate_run_s(a, run.make_plan(a, 1), 1)
+    assert one < min(8 * 60, a.time_budget)
+    two = run.estimate_run_s(a, run.make_plan(a, 2), 2)
+    assert two > one  # plus nccl (144 cells) and nccl_bare (72 cells, once per cell)
+    a2 = run.parse_args(["--repeats", "2"])
+    assert run.estimate_run_s(a2, run.make_plan(a2, 2), 2) < a2.time_budget
+
+
+def test_shared_gpu_needs_mps_for_the_afdep_arms(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no daemon there
+    assert run.ranks_per_gpu([0, 0]) == 2 and run.ranks_per_gpu([0, 1]) == 1
+    why = run.skip_reason("afdep", 2, 1, {}, gpus=[0, 0])
+    assert why and "MPS" in why
+    assert run.skip_reason("afdep", 2, 2, {}, gpus=[0, 1]) is None
+    assert run.skip_reason("afdep", 2, 1, {}, cpu_smoke=True, gpus=[0, 0]) is None
+    os.mkfifo(str(tmp_path / "control"))  # what a running daemon leaves
+    assert run.skip_reason("symmetric", 2, 1, {}, gpus=[0, 0]) is None
+    assert "one GPU per rank" in run.skip_reason("nccl", 2, 1, {}, gpus=[0, 0])
 
 
 def test_inject_parsing():
@@ -261,6 +285,78 @@ def test_json_schema_fields(tmp_path):
     assert reg and reg[0]["ffn_vs_union"] == 0.75 and reg[0]["attention_vs_union"] == 0.25
 
 
+def _synthetic_layouts(repeats=3):
+    """1A1F (rank 0 = FFN, 1 = Attention), cells T=1 and T=2048 in both receive layouts
+    (experts first, as make_plan orders them); nccl_bare ran the expert cells only. Token
+    rows are 0.8x their expert row (T=1) and 0.5x (T=2048)."""
+    cells = [{"receive_layout": rl, "hidden": 4096, "dtype": "fp8", "routing": "random",
+              "tokens": t} for rl in ("experts", "tokens") for t in (1, 2048)]
+    plan = {"cells": cells, "receive_layouts": ["experts", "tokens"],
+            "layouts": [{"name": "1A1F", "attention": 1, "ffn": 1, "gpus": [0, 1]}],
+            "arms": ["afdep", "symmetric", "nccl", "nccl_bare"], "repeats": repeats,
+            "experts": 128, "top_k": 8, "capacity": 2048, "sms": 24}
+    base = {"afdep": 20.0, "symmetric": 30.0, "nccl": 50.0, "nccl_bare": 10.0}
+    raw = []
+    for rep in range(repeats):
+        for arm in plan["arms"]:
+            ranks = {0: {"meta": {}, "cells": {}}, 1: {"meta": {}, "cells": {}}}
+            for idx in report.arm_cells(arm, plan):
+                c = cells[idx]
+                lat = base[arm] * (1 if c["tokens"] == 1 else 10) + rep
+                if c["receive_layout"] == "tokens":
+                    lat *= 0.8 if c["tokens"] == 1 else 0.5
+                ranks[0]["cells"][idx] = {"status": "ok"}
+                ranks[1]["cells"][idx] = {"status": "ok", "median_us": lat,
+                                          "reach_tokens": [c["tokens"]]}
+            raw.append({"arm": arm, "layout": "1A1F", "repeat": rep, "status": "ran",
+                        "error": None, "ranks": ranks})
+    return raw, plan
+
+
+def test_both_receive_layouts_are_aggregated_compared_and_written(tmp_path):
+    raw, plan = _synthetic_layouts()
+    args = vars(run.parse_args([]))
+    probe = {"peer_copy_GBps": {"0->1": 400.0}, "peer_copy_ceiling_GBps": 400.0,
+             "peer_copy_bytes": 2**30}
+    doc = run.build_doc(raw, plan, probe, {"name": "1 × NVIDIA H200"}, args,
+                        datetime.datetime.now(), time.monotonic(), [], {}, final=True,
+                        complete=True)
+    rows = doc["results"]
+    assert all("receive_layout" in r for r in rows)
+    got = sorted((r["arm"], r["receive_layout"]) for r in rows if r["tokens"] == 1)
+    assert got == sorted([("afdep", "experts"), ("afdep", "tokens"), ("symmetric", "experts"),
+                          ("symmetric", "tokens"), ("nccl", "experts"), ("nccl", "tokens"),
+                          ("nccl_bare", "any")])  # nccl_bare once per cell
+    tok = next(r for r in rows if r["arm"] == "afdep" and r["receive_layout"] == "tokens"
+               and r["tokens"] == 2048)
+    assert abs(tok["tokens_over_experts"] - 0.5) < 1e-12
+    assert abs(tok["vs_experts_pct"] + 50.0) < 1e-9
+    # same-layout comparisons pair arms of that layout only
+    c = report.find_comparison(doc["comparisons"], "1A1F", 4096, "fp8", "random", 1, "afdep",
+                               "tokens", "symmetric", "tokens")
+    want = (math.exp(sum(math.log(0.8 * (20 + i) / (0.8 * (30 + i))) for i in range(3)) / 3)
+            - 1) * 100
+    assert abs(c["change_pct"] - want) < 1e-9 and c["wins"] == "3/3"
+    # the issue's targets: token layout at T=1, tokens / experts at T=2048
+    (tg,) = doc["targets"]
+    assert tg["small_tokens"] == 1 and tg["tokens_small_us"] == 0.8 * 21
+    assert tg["experts_small_us"] == 21 and tg["symmetric_tokens_small_us"] == 0.8 * 31
+    assert tg["large_tokens"] == 2048 and abs(tg["tokens_over_experts_large"] - 0.5) < 1e-12
+    assert tg["tokens_wins_large"] == "3/3"
+    md = report.markdown(doc)
+    assert "## Token layout: the targets (afdep arm, this run)" in md
+    assert "| 1A1F | 4,096 | FP8 | random | T=1: 16.8 | " in md and "T=2,048: 0.500× | 3/3 |" in md
+    for title in ("expert layout", "token layout"):
+        assert f"## 1A1F, hidden 4,096, FP8, random routing, {title}" in md
+    assert md.count("| nccl_bare (any layout), µs | 11.0 | 101.0 |") == 2
+    assert "| afdep tokens vs experts | −20.0% (3/3) | −50.0% (3/3) |" in md
+    tokens_table = md.split("token layout\n")[1]
+    assert "| afdep, µs | 16.8 | 100.5 |" in tokens_table
+    path = str(tmp_path / "x.png")
+    msg = report.write_plot(path, doc)
+    assert msg is None or "matplotlib" in msg
+
+
 def test_flag_round_trip_completes_every_floor_of_its_layout(tmp_path):
     """The afdep worlds' measured flag round trip (first Attention rank's records, one per
     repeat) is added to the data floor of every arm's rows and named in the Markdown."""
@@ -301,10 +397,11 @@ def test_markdown_tables(tmp_path):
     path = str(tmp_path / "x.md")
     report.write_markdown(path, doc)
     md = open(path).read()
-    assert "## 2A1F, hidden 2,048, BF16, random routing" in md
+    assert "## 2A1F, hidden 2,048, BF16, random routing, expert layout" in md
     assert "| | T=1 | T=2,048 |" in md
-    for arm in ("afdep", "symmetric", "nccl", "nccl_bare"):
+    for arm in ("afdep", "symmetric", "nccl"):
         assert f"| {arm}, µs |" in md
+    assert "| nccl_bare (any layout), µs |" in md
     assert "| afdep vs symmetric |" in md and "| afdep vs nccl |" in md
     # T=1: afdep repeats 20.5..22.5, symmetric 30.5..32.5; T=2,048: 200.5..202.5, 300.5..302.5
     assert ("| repeat spread (slowest / fastest), afdep / symmetric | 1.10× / 1.07× | "
@@ -506,24 +603,134 @@ def test_row_layout_alignment():
     assert tx.splits(("ffn", "attention", "attention"), "attention", 5) == [0, 5, 5]
 
 
-def test_expected_output_of_the_benchmark_expert():
-    """The timed step's 'expert' is a BF16 cast of each received row, unweighted, so an
-    exchange returns n_valid(t) * x[t]; the harness checks outputs against this."""
+def test_stand_in_expert_is_cheap_and_checkable():
+    """The timed step's 'expert' copies the first EXPERT_COLS columns of each received row
+    (any payload dtype) into a reply of ones made once; the other columns are untouched."""
+    x = ref.to_payload(Config(capacity_tokens_per_rank=4, hidden_size=256, num_experts=4,
+                              top_k=1, ffn_ranks=1, attention_ranks=1,
+                              dtype=torch.float8_e4m3fn), torch.randn(3, 256))[0]
+    reply = tx.new_reply(3, 256, "cpu")
+    assert reply.dtype == torch.bfloat16 and bool((reply == 1).all())
+    out = tx.stand_in_expert(reply, x)
+    assert out is reply
+    assert torch.equal(out[:, :tx.EXPERT_COLS], x[:, :tx.EXPERT_COLS].to(torch.bfloat16))
+    assert bool((out[:, tx.EXPERT_COLS:] == 1).all())
+    assert torch.equal(tx.stand_in_row(x), out.to(torch.float32))
+    narrow = tx.stand_in_expert(tx.new_reply(2, 64, "cpu"), torch.randn(2, 64).bfloat16())
+    assert narrow.shape == (2, 64)  # H < EXPERT_COLS: the whole row
+
+
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_expected_output_of_the_benchmark_expert(receive_layout, dtype):
+    """With the stand-in expert an exchange returns rows(t) * stand_in_row(x)[t], rows(t) =
+    the token's expert rows (expert layout) or reached FFN ranks (token layout); the
+    harness checks outputs against this, payload columns and the rest separately."""
     cfg = Config(capacity_tokens_per_rank=16, hidden_size=256, num_experts=16, top_k=4,
-                 ffn_ranks=2, attention_ranks=1)
+                 ffn_ranks=2, attention_ranks=1, dtype=dtype)
     (x, ids, w, sc), = _inputs(cfg, [8], "partial", 3)
     lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
-    want = arms.expected_output(x, arms.served_rows(cfg, ids))
+    rows = arms.reply_rows(cfg, ids, receive_layout)
+    want = arms.expected_output(x, rows)
     send = tx.new_send_buffer(lay, cfg.ffn_ranks, 8, "cpu")
     tx.pack_dispatch(send, lay, x, ids, w, sc)
+    sources = torch.tensor([2], dtype=torch.int32)
     replies = []
     for f in range(cfg.ffn_ranks):
-        ex = tx.expand(tx.unpack(send[f], lay), f, cfg.experts_per_rank, cfg.rows_per_token,
-                       8, torch.tensor([2], dtype=torch.int32))
-        replies.append(tx.reduce_rows(ex.x.to(torch.bfloat16), ex.row_token, 8))
-    out = tx.collect(torch.stack(replies), 8)
-    assert ref.relative_error(out, want) < 5e-3  # one BF16 rounding
-    assert ref.relative_error(out * 2, want) > 0.5
+        got = tx.unpack(send[f], lay)
+        if receive_layout == "tokens":
+            tv = tx.token_view(got, f, cfg.experts_per_rank, 8, sources)
+            replies.append(tx.stand_in_expert(tx.new_reply(8, 256, "cpu"), tv.x))
+        else:
+            ex = tx.expand(got, f, cfg.experts_per_rank, cfg.rows_per_token, 8, sources)
+            reply = tx.stand_in_expert(tx.new_reply(ex.x.shape[0], 256, "cpu"), ex.x)
+            replies.append(tx.reduce_rows(reply, ex.row_token, 8))
+    if receive_layout == "tokens":
+        out = tx.collect_tokens(torch.stack(replies), ref.tokens_per_ffn(cfg, ids))
+        assert torch.equal(rows, ref.tokens_per_ffn(cfg, ids).sum(dim=1))
+    else:
+        out = tx.collect(torch.stack(replies), 8)
+        assert torch.equal(rows, arms.served_rows(cfg, ids))
+    assert arms.output_error(out, want) < 5e-3  # one BF16 rounding
+    assert bool((out[rows == 0] == 0).all())    # a token with no expert gets zeros
+    bad = out.clone()
+    bad[1, :4] = 0                              # a wrong payload in a few columns shows
+    assert arms.output_error(bad, want) > 2e-2
+    assert arms.output_error(out * 2, want) > 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("A,F,E,k,tokens,bucket,routing", [
+    (1, 1, 128, 8, [16], 16, "random"),
+    (1, 1, 128, 8, [5], 16, "skewed"),            # T < bucket: padding rows hold no token
+    (2, 2, 128, 8, [16, 7], 16, "partial"),
+    (3, 1, 64, 8, [9, 0, 4], 9, "random"),        # a source with no tokens
+    (1, 4, 16, 8, [12], 12, "random"),            # R = E_local = 4 < top_k
+])
+def test_token_view_is_the_token_contract(dtype, A, F, E, k, tokens, bucket, routing):
+    """The nccl arm's token layout against the contract (docs/contract.md, "The token
+    layout"): per FFN rank one row per token that reached it, local ids in the source's
+    column order (-1 for other ranks, -1 ids and repeats; rows without a token all -1),
+    weights 0 where the id is -1, src_rank/src_token (-1: no token), num_tokens; the reply
+    is one row per token, and collect sums the reached FFN ranks' rows."""
+    cfg = Config(capacity_tokens_per_rank=64, hidden_size=256, num_experts=E, top_k=k,
+                 ffn_ranks=F, attention_ranks=A, dtype=dtype, receive_layout="tokens")
+    inputs = _inputs(cfg, tokens, routing, A * 100 + F * 10 + k + 1)
+    lay = tx.row_layout(cfg.hidden_size, cfg.dtype, cfg.top_k)
+    sends = []
+    for x, ids, w, sc in inputs:
+        snd = tx.new_send_buffer(lay, F, bucket, "cpu")
+        tx.pack_dispatch(snd, lay, x, ids, w, sc)
+        sends.append(snd)
+    sources = torch.tensor(cfg.attention_group_ranks, dtype=torch.int32)
+    el = cfg.experts_per_rank
+    replies = []
+    for f in range(F):
+        tv = tx.token_view(tx.unpack(torch.cat([snd[f] for snd in sends]), lay), f, el, bucket,
+                           sources)
+        n = A * bucket
+        assert tv.x.shape == (n, cfg.hidden_size) and tv.x.dtype == dtype
+        assert tv.expert_ids.shape == (n, k) and tv.expert_ids.dtype == torch.int32
+        assert tv.weights.dtype == torch.float32 and tv.src_token.dtype == torch.int32
+        assert (tv.x_scales is None) == (dtype == torch.bfloat16)
+        held = 0
+        for a, (x, ids, w, sc) in enumerate(inputs):
+            t = x.shape[0]
+            rows = slice(a * bucket, a * bucket + t)
+            want_ids = ref.local_expert_ids(ids, f, el)
+            hit = (want_ids >= 0).any(dim=1)
+            assert torch.equal(tv.expert_ids[rows].to(torch.int64), want_ids)
+            assert torch.equal(tv.weights[rows], torch.where(want_ids >= 0, w,
+                                                             torch.zeros_like(w)))
+            assert torch.equal(tv.x[rows].view(torch.uint8), x.view(torch.uint8))
+            if sc is not None:
+                assert torch.equal(tv.x_scales[rows], sc)
+            tok = torch.arange(t, dtype=torch.int32)
+            none = torch.full((t,), -1, dtype=torch.int32)
+            assert torch.equal(tv.src_token[rows], torch.where(hit, tok, none))
+            src = torch.full((t,), int(sources[a]), dtype=torch.int32)
+            assert torch.equal(tv.src_rank[rows], torch.where(hit, src, none))
+            pad = slice(a * bucket + t, (a + 1) * bucket)
+            assert bool((tv.expert_ids[pad] == -1).all()) and bool((tv.src_token[pad] == -1)
+                                                                   .all())
+            assert int(tv.num_tokens[a]) == int(hit.sum())
+            held += int(hit.sum())
+        assert int(tv.num_tokens.sum()) == held
+        # the caller's MoE output per token: sum over its local experts of weight * expert
+        e = tv.expert_ids.to(torch.int64)
+        scale = torch.where(e >= 0, tv.weights * (1 + (e + f * el) / E), torch.zeros_like(
+            tv.weights)).sum(dim=1)
+        reply = (ref.dequantize(tv.x, tv.x_scales) * scale[:, None]).to(torch.bfloat16)
+        reply[tv.src_token < 0] = 7.0  # rows without a token: the collect ignores them
+        replies.append(reply.view(A, bucket, cfg.hidden_size))
+    for a, (x, ids, w, sc) in enumerate(inputs):
+        out = tx.collect_tokens(torch.stack([r[a] for r in replies]),
+                                ref.tokens_per_ffn(cfg, ids))
+        want = ref.moe_output(cfg, x, ids, w, lambda e, r: r * (1 + e / E), sc)
+        assert out.shape == (x.shape[0], cfg.hidden_size) and out.dtype == torch.bfloat16
+        if x.shape[0]:
+            assert ref.relative_error(out, want) < 1.5e-2
+            assert bool((out[ref.route_mask(cfg, ids) == 0] == 0).all())
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -557,29 +764,40 @@ def test_no_gpu_is_a_clear_error():
 
 @pytest.mark.slow
 def test_cpu_smoke_end_to_end(tmp_path):
-    """The whole harness on the CPU over gloo: spawned worlds, per-rank records, failure
-    recording (an injected set-up failure in the nccl arm's second cell), JSON/Markdown."""
+    """The whole harness on the CPU over gloo, both receive layouts (the default), BF16 and
+    FP8: spawned worlds, per-rank records, failure recording (an injected set-up failure in
+    the nccl arm's second cell), nccl_bare once per cell, JSON/Markdown."""
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
-                 "--replays", "2", "--warmup", "1", "--arms", "afdep", "nccl",
-                 "--hidden", "256", "--kernel-timeout", "10", "--out-dir", str(tmp_path),
-                 "--name", "smoke", "--no-plot",
+                 "--replays", "2", "--warmup", "1", "--arms", "afdep", "nccl", "nccl_bare",
+                 "--dtype", "bf16", "fp8", "--hidden", "256", "--kernel-timeout", "10",
+                 "--out-dir", str(tmp_path), "--name", "smoke", "--no-plot",
                  env={"AFDEP_BENCH_INJECT": "nccl,1,0,setup", "AFDEP_SYMMETRIC": "1"},
                  timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "smoke.json"))
     assert os.path.exists(tmp_path / "smoke.md")
     assert d["env"]["stripped_from_parent"] == {"AFDEP_SYMMETRIC": "1"}
-    rows = {(r["arm"], r["tokens"]): r for r in d["results"]}
-    assert set(rows) == {("afdep", 1), ("afdep", 8), ("nccl", 1), ("nccl", 8)}
-    for key in (("afdep", 1), ("afdep", 8), ("nccl", 1)):
-        r = rows[key]
+    assert d["plan"]["receive_layouts"] == ["experts", "tokens"]
+    rows = {(r["arm"], r["receive_layout"], r["dtype"], r["tokens"]): r for r in d["results"]}
+    assert len(rows) == len(d["results"]) == 2 * 2 * 2 * 2 + 2 * 2
+    assert {k[1] for k in rows if k[0] == "nccl_bare"} == {"any"}
+    for key, r in rows.items():
+        if key == ("nccl", "experts", "bf16", 8):
+            assert r["status"] == "failed" and "injected failure" in " ".join(r["errors"])
+            continue
         assert r["status"] == "ok", r
         assert r["latency_us"] > 0 and len(r["repeats_us"]) == 1
-        assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
-    bad = rows[("nccl", 8)]
-    assert bad["status"] == "failed" and "injected failure" in " ".join(bad["errors"])
-    assert [c for c in d["comparisons"] if c["baseline"] == "nccl" and c["tokens"] == 1]
-    assert {w["arm"] for w in d["worlds"]} == {"afdep", "nccl"}
+        if key[0] != "nccl_bare":
+            assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2, key
+    comps = d["comparisons"]
+    assert [c for c in comps if c["baseline"] == "nccl" and c["tokens"] == 1
+            and c["receive_layout"] == "tokens"]
+    assert [c for c in comps if c["arm"] == "afdep" and c["baseline_layout"] == "experts"
+            and c["receive_layout"] == "tokens"]
+    assert {w["arm"] for w in d["worlds"]} == {"afdep", "nccl", "nccl_bare"}
+    assert {t["dtype"] for t in d["targets"]} == {"bf16", "fp8"}
+    md = open(tmp_path / "smoke.md").read()
+    assert "token layout" in md and "expert layout" in md
 
 
 @pytest.mark.slow
@@ -589,7 +807,7 @@ def test_stalled_world_is_ended_and_recorded(tmp_path):
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
                  "--replays", "2", "--warmup", "1", "--arms", "nccl", "nccl_bare",
                  "--hidden", "256", "--stall-timeout", "6", "--out-dir", str(tmp_path),
-                 "--name", "stall", "--no-plot",
+                 "--name", "stall", "--receive-layouts", "experts", "--no-plot",
                  env={"AFDEP_BENCH_INJECT": "nccl,1,1,hang"}, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "stall.json"))
@@ -605,7 +823,8 @@ def test_stalled_world_is_ended_and_recorded(tmp_path):
 @pytest.mark.slow
 def test_cpu_smoke_zero_copy(tmp_path):
     """--zero-copy: the afdep arm collects with a view of the receive buffer (one FFN rank)
-    and its results still check against the reference in eager steps and graph replays."""
+    and its results still check against the reference in eager steps and graph replays, in
+    both receive layouts."""
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "8", "--repeats", "1",
                  "--replays", "2", "--warmup", "1", "--arms", "afdep", "--zero-copy",
                  "--hidden", "256", "--kernel-timeout", "10", "--out-dir", str(tmp_path),
@@ -615,6 +834,7 @@ def test_cpu_smoke_zero_copy(tmp_path):
     assert d["args"]["zero_copy"] is True and d["args"]["layout"] == ["1A1F"]
     md = open(tmp_path / "zc.md").read()
     assert "- afdep arms: transport ipc, zero-copy collect where one FFN rank" in md
+    assert {r["receive_layout"] for r in d["results"]} == {"experts", "tokens"}
     for r in d["results"]:
         assert r["status"] == "ok", r
         assert r["max_eager_rel_err"] < 1e-2 and r["max_graph_rel_err"] < 1e-2
@@ -626,7 +846,8 @@ def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "1", "--replays", "2",
                  "--warmup", "1", "--arms", "afdep", "symmetric", "--hidden", "256",
                  "--afdep-env", "AFDEP_SIZED_GRID=1", "--kernel-timeout", "10",
-                 "--out-dir", str(tmp_path), "--name", "ab", "--no-plot", timeout=600)
+                 "--out-dir", str(tmp_path), "--name", "ab", "--receive-layouts", "experts",
+                 "--no-plot", timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "ab.json"))
     assert d["args"]["afdep_env"] == ["AFDEP_SIZED_GRID=1"]

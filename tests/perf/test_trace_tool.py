@@ -103,3 +103,11 @@ def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
         trace.main(argv)
     assert fragment in capsys.readouterr().err
 
+
+
+def test_trace_runs_on_two_gpus_or_one_under_mps():
+    assert trace.trace_devices(2, False) == [0, 1]
+    assert trace.trace_devices(8, True) == [0, 1]
+    assert trace.trace_devices(1, True) == [0, 0]  # both ranks on one GPU under MPS
+    assert trace.trace_devices(1, False) is None   # time-sliced spinning kernels: refused
+    assert trace.trace_devices(0, True) is None
