@@ -100,7 +100,10 @@ def check_rows(cfg, f, rec, inputs, bucket):
     from torch_afdep import reference as ref
 
     problems = []
-    S, rps = cfg.num_sms, cfg.rows_per_source(bucket)
+    rps = cfg.rows_per_source(bucket)
+    # the CUDA layout: one block of ceil(bucket/S) rows per channel; the CPU transport (these
+    # bodies run there for debugging) fills each source's rows from its first
+    S = cfg.num_sms if rec.x.is_cuda else 1
     stride = rps // S
     n_rows, k = cfg.token_rows(bucket), cfg.top_k
     want_shapes = {"x": (n_rows, cfg.hidden_size), "expert_ids": (n_rows, k),
@@ -250,13 +253,16 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays):
         res = step()  # warm-up on the tensors the graph captures
         devices.sync(dev)
         _check_errors(buf)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = step()
+        graphs = dev.type == "cuda"  # on a CPU world (debugging): eager steps, no hostile ids
+        graph = None
+        if graphs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = step()
         devices.sync(dev)
         dist.barrier()
         for i in range(replays):
-            hostile = i % 5 == 3
+            hostile = graphs and i % 5 == 3
             inputs = [_inputs(cfg, a, g_tokens[a], 2000 + i, hostile=hostile)
                       for a in range(a_n)]
             if buf.role == "attention":
@@ -267,7 +273,7 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays):
                 if scs is not None:
                     scs.copy_(mine.x_scales)
                 res.fill_(float("nan"))
-            else:  # poison every output, the receive window included (no rank is sending)
+            elif graphs:  # poison every output, the receive window included (no rank sends)
                 res.x.view(torch.uint8).fill_(0xFF)
                 if res.x_scales is not None and res.x_scales.numel():
                     res.x_scales.fill_(float("nan"))
@@ -278,7 +284,10 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays):
                 res.num_tokens.fill_(-7)
             devices.sync(dev)
             dist.barrier()  # poisoned everywhere before any rank replays
-            graph.replay()
+            if graphs:
+                graph.replay()
+            else:
+                res = step()
             devices.sync(dev)
             tag = f"replay {i}"
             if buf.role == "attention":
