@@ -249,9 +249,9 @@ class CudaTransport(Transport):
         c = self.config
         bucket = self._token_bucket
         if bucket is None or c.token_rows(bucket) != rows.shape[0]:
-            # rows of another bucket than the last receive's: the bucket its row count names
-            # (rows_per_source is a multiple of num_sms; validate checked the count)
-            bucket = rows.shape[0] // c.attention_ranks
+            # rows of another bucket than the last receive's: a bucket with the row count's
+            # rows_per_source (a multiple of num_sms; validate checked the count)
+            bucket = min(rows.shape[0] // c.attention_ranks, c.capacity_tokens_per_rank)
         self._comm.reply_tokens(int(bucket), _ptr(rows), _ptr(src_token), _ptr(num_tokens),
                                 _stream(self.device))
 
