@@ -308,7 +308,7 @@ class Buffer:
         # Out of order first: a reply with nothing received is that, whatever it carries.
         self._slots.expect(receipt.slot if isinstance(receipt, (Receipt, TokenReceipt)) else
                            (slot or 0), "reply")
-        slot = validate.receipt(self.config, self._slots.key, receipt, slot)
+        slot = validate.receipt(self.config, self._slots.key, receipt, slot, rows)
         validate.python_types(tensors=(("rows", rows),))
         if receipt.sequence != self._slots.sequence(slot):
             raise AfdepStateError(
@@ -341,15 +341,10 @@ class Buffer:
             if first is not None:
                 raise first
         finally:
+            # After a failure this rank frees everything without meeting its peers (a barrier
+            # on a group gloo has dropped pairs of would only time out again).
             if slots.broken is None and first is None:
                 self._closing_barrier()
-            else:
-                # After a failure, still meet the peers that are alive (their close waits for
-                # this one); a lost peer fails fast, a peer that never closes costs timeout_s.
-                try:
-                    self._closing_barrier()
-                except AfdepError:
-                    pass
 
     def _closing_barrier(self) -> None:
         """No rank frees memory a peer may still read; a peer that never arrives (or died)

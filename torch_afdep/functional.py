@@ -148,7 +148,7 @@ def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
     """
     slots = _slots(group, buffer_id)
     slots.require_role(FFN, "afd_reply")
-    slot = validate.receipt(slots.config, slots.key, receipt, slot)
+    slot = validate.receipt(slots.config, slots.key, receipt, slot, rows)
     validate.python_types(tensors=(("rows", rows),))
     return reply(slots, rows, receipt, slot)
 

@@ -116,7 +116,7 @@ def receive_args(config: Config, bucket) -> None:
     config.check_bucket(bucket)
 
 
-def receipt(config: Config, buffer_key, receipt, slot: Optional[int]) -> int:
+def receipt(config: Config, buffer_key, receipt, slot: Optional[int], rows=None) -> int:
     """The Python-side checks of a reply's receipt; returns the slot (the receipt's; an
     explicit ``slot`` must agree with it). These run in the caller, so inside compiled code
     torch reports them as a tracing error (docs/contract.md)."""
@@ -135,6 +135,13 @@ def receipt(config: Config, buffer_key, receipt, slot: Optional[int]) -> int:
     if receipt.buffer_key != buffer_key:
         raise ValueError(f"receipt belongs to buffer {receipt.buffer_key}, not to this "
                          f"buffer {buffer_key}")
+    config.check_bucket(check_int("receipt.bucket", receipt.bucket))
+    if rows is not None and isinstance(rows, torch.Tensor):
+        n = (config.token_rows(receipt.bucket) if config.receive_layout == "tokens"
+             else config.recv_rows(receipt.bucket))
+        if rows.dim() != 2 or rows.shape[0] != n:
+            raise ValueError(f"rows must have shape [{n}, {config.hidden_size}] for the "
+                             f"receipt's bucket {receipt.bucket}, got {list(rows.shape)}")
     return config.check_slot(receipt.slot)
 
 

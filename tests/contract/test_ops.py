@@ -4,8 +4,12 @@ mismatches and the registry run on every device; opcheck (it calls each op sever
 a row, unpaired) and the silent peer (on CUDA the kernel's deadline reports it: tests/gpu)
 on CPU."""
 
-import expecttest
 import pytest
+
+try:  # a test-only package, absent on the GPU hosts: only the pinned-graph test needs it
+    import expecttest
+except ImportError:
+    expecttest = None
 import torch
 
 import torch_afdep
@@ -35,6 +39,8 @@ def test_opcheck_every_op():
 
 
 def test_compile_fullgraph_both_roles(device):
+    if expecttest is None:
+        pytest.skip("needs expecttest (a test-only package)")
     ffn, attn = spawn_on(device, op_bodies.compile_body, 2, timeout=300)
     # One graph per role, no graph breaks; numerics of three compiled exchanges.
     assert len(attn["graphs"]) == 1
