@@ -76,7 +76,7 @@ def two_microbatch_graph_body(rank, world, cfg_kw, tokens, replays, seed0, use_g
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     res = step()
-                assert all(p == "idle" for p in buf._slot_phase)
+                assert all(buf.phase(s) == "idle" for s in range(buf.num_slots))
             dist.barrier()
             for k in range(replays):
                 fresh = {s: _slot_inputs(cfg, tokens[s], "partial", seed0 + k, s)[idx]
