@@ -219,7 +219,7 @@ class Buffer:
             None; ``source_collect(slot=slot)`` returns the result.
         """
         self._slots.require_role(ATTENTION, "source_dispatch")
-        validate.python_types(ints=(("bucket", bucket), ("slot", slot)),
+        validate.python_types(self.device, ints=(("bucket", bucket), ("slot", slot)),
                               tensors=(("x", x), ("expert_ids", expert_ids),
                                        ("weights", weights)),
                               optional_tensors=(("x_scales", x_scales),))
@@ -278,7 +278,7 @@ class Buffer:
             dtypes in ``torch_afdep.types``. Its ``receipt`` goes to ``worker_reply``.
         """
         self._slots.require_role(FFN, "worker_receive")
-        validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
+        validate.python_types(self.device, ints=(("bucket", bucket), ("slot", slot)))
         return self._run(self._receive, bucket, slot)
 
     def _receive(self, bucket: int, slot: int):
@@ -309,7 +309,7 @@ class Buffer:
         self._slots.expect(receipt.slot if isinstance(receipt, (Receipt, TokenReceipt)) else
                            (slot or 0), "reply")
         slot = validate.receipt(self.config, self._slots.key, receipt, slot, rows)
-        validate.python_types(tensors=(("rows", rows),))
+        validate.python_types(self.device, tensors=(("rows", rows),))
         if receipt.sequence != self._slots.sequence(slot):
             raise AfdepStateError(
                 f"stale receipt: it is from exchange {receipt.sequence}, the current one is "

@@ -238,8 +238,8 @@ def parse_roles(spec: Sequence[str] | str) -> Tuple[str, ...]:
     for p in parts:
         r = table.get(p.lower()) if isinstance(p, str) else None
         if r is None:
-            raise ValueError(f"roles entries must be 'attention'/'A' or 'ffn'/'F', got {p!r} "
-                             f"(in {spec!r}; e.g. 'FFAA' or ['ffn', 'attention'])")
+            raise ValueError(f"roles entries must be 'attention' or 'ffn' (or 'A' / 'F'), got "
+                             f"{p!r} (in {spec!r}; e.g. 'FFAA' or ['ffn', 'attention'])")
         roles.append(r)
     return tuple(roles)
 

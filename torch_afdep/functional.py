@@ -53,7 +53,7 @@ def afd_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tenso
         on the same slot.
     """
     slots = _slots(group, buffer_id)
-    validate.python_types(ints=(("bucket", bucket), ("slot", slot)),
+    validate.python_types(slots.device, ints=(("bucket", bucket), ("slot", slot)),
                           tensors=(("x", x), ("expert_ids", expert_ids), ("weights", weights)),
                           optional_tensors=(("x_scales", x_scales),))
     return torch.ops.afdep.dispatch(slots.state, x, expert_ids, weights, x_scales,
@@ -72,7 +72,7 @@ def afd_combine(route: torch.Tensor, *, group=None, buffer_id: Optional[int] = N
         (zero for tokens without a valid expert).
     """
     slots = _slots(group, buffer_id)
-    validate.python_types(ints=(("slot", slot),), tensors=(("route", route),))
+    validate.python_types(slots.device, ints=(("slot", slot),), tensors=(("route", route),))
     return torch.ops.afdep.combine(slots.state, route, slots.group_name, slots.buffer_id,
                                    slot)
 
@@ -129,7 +129,7 @@ def afd_receive(*, group=None, bucket: int, buffer_id: Optional[int] = None,
         ``torch_afdep.types``); its ``receipt`` goes to ``afd_reply``.
     """
     slots = _slots(group, buffer_id)
-    validate.python_types(ints=(("bucket", bucket), ("slot", slot)))
+    validate.python_types(slots.device, ints=(("bucket", bucket), ("slot", slot)))
     return receive(slots, bucket, slot, sequence)
 
 
@@ -149,7 +149,7 @@ def afd_reply(rows: torch.Tensor, receipt: Receipt, *, group=None,
     slots = _slots(group, buffer_id)
     slots.require_role(FFN, "afd_reply")
     slot = validate.receipt(slots.config, slots.key, receipt, slot, rows)
-    validate.python_types(tensors=(("rows", rows),))
+    validate.python_types(slots.device, tensors=(("rows", rows),))
     return reply(slots, rows, receipt, slot)
 
 

@@ -126,7 +126,9 @@ class Slots:
         return transport
 
     def expect(self, slot: int, op: str) -> None:
-        """AfdepStateError unless ``slot``'s phase allows ``op``."""
+        """AfdepStateError unless ``slot``'s phase allows ``op`` (ValueError for a slot out of
+        range)."""
+        self.config.check_slot(slot)
         if _ORDER_CHECKS and self._phase[slot] != TRANSITIONS[op][0]:
             raise AfdepStateError(
                 f"afdep::{op}: " + _OUT_OF_ORDER[op].format(slot=slot) + "; each slot holds "

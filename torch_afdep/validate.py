@@ -24,9 +24,11 @@ def check_int(name: str, value) -> int:
     return value
 
 
-def python_types(ints=(), tensors=(), optional_tensors=()) -> None:
-    """The checks that must happen before an op is called (its schema would refuse these with
-    torch's own error): ``ints`` and ``tensors`` are (name, value) pairs."""
+def python_types(device: torch.device, ints=(), tensors=(), optional_tensors=()) -> None:
+    """The checks that must happen before an op is called: Python types (the op's schema would
+    refuse them with torch's own error) and tensor devices (the dispatcher picks the kernel by
+    device: a meta or wrong-device tensor would never reach our checks). ``ints`` and
+    ``tensors`` are (name, value) pairs."""
     for name, v in ints:
         check_int(name, v)
     for name, t in tensors:
@@ -35,6 +37,9 @@ def python_types(ints=(), tensors=(), optional_tensors=()) -> None:
     for name, t in optional_tensors:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    for name, t in tuple(tensors) + tuple(optional_tensors):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} must be on {device} (the buffer's device), got {t.device}")
 
 
 def check_tensor(name: str, t, dtypes, shape, device) -> None:
