@@ -46,14 +46,15 @@ def mps_running(environ: Optional[Mapping[str, str]] = None) -> bool:
     Arguments:
         environ: the environment to read (default: os.environ).
     Returns:
-        True when ``<pipe directory>/control`` exists and is a named pipe (FIFO). The pipe,
+        True when ``<pipe directory>/control`` exists and is a named pipe (FIFO) or a socket. The pipe,
         not the daemon process, is what counts: a daemon started with another pipe directory
         does not serve this process, and in a container the daemon may run in another PID
         namespace where no process list shows it.
     """
     path = os.path.join(pipe_directory(environ), "control")
-    try:
-        return stat.S_ISFIFO(os.stat(path).st_mode)
+    try:  # a FIFO, or a Unix socket in the MPS of current drivers (seen on the lent H200)
+        mode = os.stat(path).st_mode
+        return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
     except OSError:  # missing, or a directory we may not read
         return False
 
