@@ -44,3 +44,17 @@ def test_shared_gpu_problem(tmp_path):
     os.mkfifo(tmp_path / "control")
     assert mps.shared_gpu_problem(2, environ, str(empty_proc)) is None
     assert mps.daemon_pids(str(tmp_path / "no-proc")) == []
+
+
+def test_running_with_a_control_socket(tmp_path):
+    """The lent H200's MPS daemon serves a Unix socket named control, not a FIFO."""
+    import socket
+
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert not mps.mps_running(env)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(tmp_path / "control"))
+        assert mps.mps_running(env)
+    finally:
+        sock.close()
