@@ -20,7 +20,7 @@ from .types import Receipt, TokenReceipt
 class Buffer:
     """One rank's end of AFD exchanges on ``group`` (collective to create and to close).
 
-    Args:
+    Arguments:
         group: a process group whose size is ``config.attention_ranks + config.ffn_ranks``
             and which carries CPU tensors (gloo, ``"afdep"``, ``"cpu:gloo,cuda:afdep"``,
             ``"cpu:gloo,cuda:nccl"``). None means the default group.

@@ -40,7 +40,7 @@ def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
 class Config:
     """Layout and sizes of an AFD exchange; identical on every rank of the group.
 
-    Args:
+    Arguments:
         capacity_tokens_per_rank: the most tokens one Attention rank sends in one exchange
             (the largest ``bucket``); buffers are sized from it.
         hidden_size: H, elements per token row. A multiple of 128 for FP8 payloads and of 8

@@ -100,7 +100,7 @@ def default_roles(size: int) -> Tuple[str, ...]:
 class AfdepOptions:
     """``pg_options`` of an afdep group.
 
-    Args:
+    Arguments:
         roles: role of every group rank: a sequence of ``"attention"`` / ``"ffn"`` or a string
             such as ``"FFAA"``. ``None``: ``AFDEP_ROLES`` or the default layout.
         nccl_options: ``ProcessGroupNCCL.Options`` for the CUDA inner backend (copied; its
