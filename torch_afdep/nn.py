@@ -371,7 +371,7 @@ class AfdMoE(torch.nn.Module):
     """One AFD MoE layer on ``buffer``'s group: router + dispatch/combine on Attention ranks,
     receive + SwiGLU experts + reply on FFN ranks.
 
-    Args:
+    Arguments:
         buffer: an open ``torch_afdep.Buffer`` (create it first: it is collective). Its role
             picks what this module holds; its config gives H, E, k, the layout and the
             receive layout (``"experts"`` or ``"tokens"``: which expert path the FFN runs).

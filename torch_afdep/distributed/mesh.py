@@ -88,7 +88,7 @@ def role_groups(
     """Create one process group per role. Collective: every rank of the default group calls
     it with the same arguments (ranks outside a group still take part in creating it).
 
-    Args:
+    Arguments:
         config_or_roles: a ``Config`` (its ``role_list``), a list of ``"attention"``/``"ffn"``
             or a string such as ``"FFAA"``: one role per layout rank.
         backend: backend of the new groups; ``None``: the default group's. When it is an
@@ -174,7 +174,7 @@ def role_meshes(
     Collective when ``groups`` is ``None`` (it calls ``role_groups``, same arguments on every
     rank). With ``groups`` given (from ``role_groups``) it only builds the mesh locally.
 
-    Args:
+    Arguments:
         config_or_roles, backend, ranks: as for ``role_groups``.
         device_type: ``"cpu"`` or ``"cuda"``, the device type of the meshes (no index).
         groups: reuse existing role groups instead of creating new ones.
@@ -202,7 +202,7 @@ def shard_experts(
     """Shard stacked expert weights over the FFN ranks: ``distribute_tensor(weight, ffn_mesh,
     [Shard(0)])``. Collective over ``ffn_mesh`` (call it on FFN ranks only).
 
-    Args:
+    Arguments:
         weight: ``[E, *rest]``, any dtype: one slice per global expert, in global expert
             order, e.g. ``[E, H, I]`` bfloat16. ``E`` must be a multiple of the mesh size F.
             On the mesh's device type or CPU (moved to the mesh's device type).
@@ -231,7 +231,7 @@ def shard_experts(
 def local_experts(dtensor: DTensor) -> torch.Tensor:
     """This FFN rank's experts of a ``shard_experts`` DTensor.
 
-    Args:
+    Arguments:
         dtensor: DTensor of global shape ``[E, *rest]`` placed ``[Shard(0)]`` on a 1-D mesh.
 
     Returns:

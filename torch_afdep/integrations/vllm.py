@@ -334,7 +334,7 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
 class AfdepConnector:
     """vLLM AFD connector over a ``torch_afdep.Buffer`` (see the module docstring).
 
-    Args:
+    Arguments:
         rank, local_rank: this process's rank and local rank (as the plugin passes them).
         config: a VllmConfig (or a mapping of the same fields), or ``ConnectorSettings``.
         afd_config: the plugin's AFD config (``AFDConfig`` or a mapping); default: read it
