@@ -51,10 +51,8 @@ class Buffer:
         # The first op call imports torch._dynamo (seconds); do it before any peer waits.
         import torch._dynamo  # noqa: F401
 
-        # Every rank counts the buffers it creates on a group: the id names this one.
-        self.buffer_id = registry.next_id(self.group_name)
         # Collective first, so every rank raises the same error on any mismatch.
-        self._check_same_config_everywhere()
+        self._check_same_config_everywhere(registry.next_attempt(self.group_name))
         size = dist.get_world_size(self.group)
         if size != config.world_size:
             raise ValueError(
@@ -62,6 +60,7 @@ class Buffer:
                 f"{config.attention_ranks} + {config.ffn_ranks} = {config.world_size}")
         self.role = config.role_of(self.rank)
         self.role_index = config.role_index(self.rank)
+        self.buffer_id = registry.next_id(self.group_name)
         transports: list = []
         try:
             for slot in range(config.num_slots):
@@ -138,11 +137,11 @@ class Buffer:
                                  f" got {device.index}")
         return device
 
-    def _check_same_config_everywhere(self) -> None:
+    def _check_same_config_everywhere(self, attempt: int) -> None:
         """Every rank raises the same error when configs or roles differ across ranks; a
         rank that never creates its Buffer gives an error after ``timeout_s`` naming it."""
         mine = (self.config.fingerprint(), self.device.type, _backend_roles(self.group))
-        all_ = self._gather_bounded(mine)
+        all_ = self._gather_bounded(mine, attempt)
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
                  "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots",
                  "local_sms", "receive_layout")
@@ -160,7 +159,7 @@ class Buffer:
                 f"config roles {list(self.config.role_list)} differ from the roles the afdep "
                 f"backend was given for this group {list(backend_roles)}")
 
-    def _gather_bounded(self, mine) -> list:
+    def _gather_bounded(self, mine, attempt: int) -> list:
         """Every group rank's ``mine`` (picklable), through the c10d store rather than a
         collective: bounded by ``timeout_s`` (a collective would wait for the process group's
         own timeout), it names the ranks that did not arrive, and it leaves no collective
@@ -170,7 +169,7 @@ class Buffer:
 
         store = dist.distributed_c10d._get_default_store()
         size = dist.get_world_size(self.group)
-        prefix = f"torch_afdep/{self.group_name}/buffer{self.buffer_id}/rank"
+        prefix = f"torch_afdep/{self.group_name}/attempt{attempt}/rank"
         store.set(prefix + str(self.rank), pickle.dumps(mine))
         keys = [prefix + str(r) for r in range(size)]
         deadline = time.monotonic() + float(self.config.timeout_s)

@@ -7,12 +7,22 @@ from typing import Dict, Optional, Tuple
 
 _BUFFERS: Dict[Tuple[str, int], object] = {}
 _NEXT_ID: Dict[str, int] = {}
+_ATTEMPTS: Dict[str, int] = {}
 
 
 def next_id(group_name: str) -> int:
     """Ids count buffers created on a group; every rank creates them in the same order."""
     i = _NEXT_ID.get(group_name, 0)
     _NEXT_ID[group_name] = i + 1
+    return i
+
+
+def next_attempt(group_name: str) -> int:
+    """Counts Buffer() calls on a group, failed ones included (every rank makes the same
+    calls): names each construction's handshake keys in the store, so a failed attempt's keys
+    are never read by the next one."""
+    i = _ATTEMPTS.get(group_name, 0)
+    _ATTEMPTS[group_name] = i + 1
     return i
 
 
