@@ -57,7 +57,8 @@ if [ "$CHECK" = 0 ] || [ "$TODO" = 0 ]; then
           src = ""
           for (i = 2; i <= NF; i++) if ($i == "-c") { src = $(i + 1) }
           sub(".*/csrc/", "csrc/", src)
-          print "[setup]   " $1 " " (src != "" ? "compile " src : "link"); fflush() }'
+          print "[setup]   " $1 " " (src != "" ? "compile " src : "link"); fflush() }' \
+        || true  # the progress lines are cosmetic: only pip's own status (below) decides
       if ! wait "$PIP_PID"; then
         say "build FAILED; the end of $LOG:"
         tail -40 "$LOG"
