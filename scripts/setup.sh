@@ -50,6 +50,7 @@ if [ "$CHECK" = 0 ] || [ "$TODO" = 0 ]; then
       fi
       say "full log: $LOG"
       # pip -v streams the build; show ninja's steps ([i/n] ... -c <source>) as they happen.
+      : >"$LOG"  # exists before tail follows it (else tail may start first and give up)
       "$PY" -m pip install -v --no-build-isolation --no-deps -e . >"$LOG" 2>&1 </dev/null &
       PIP_PID=$!
       tail -n +1 -f "$LOG" --pid="$PIP_PID" 2>/dev/null | awk '
