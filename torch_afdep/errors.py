@@ -23,8 +23,9 @@ class AfdepRouteError(AfdepError, ValueError):
     """An expert id outside [-1, num_experts) (or another routing value out of range).
 
     Raised before anything is sent wherever the values can be read (eager calls, and the CPU
-    path inside compiled code too); inside CUDA graph replays the kernels skip the offending
-    entries (nothing is written out of bounds) and the next op on that slot raises it. A
+    path inside compiled code too); inside CUDA graph replays and compiled CUDA code the kernels
+    skip the offending entries (nothing is written out of bounds), the exchange completes, and
+    the slot's next dispatch (Attention) or receive (FFN) raises it. A
     ``ValueError``, so ``except ValueError`` catches it on every path. The buffer stays
     usable."""
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from torch_afdep import Config
 from torch_afdep.config import MAX_SLOTS
@@ -98,3 +99,33 @@ def test_two_microbatch_pipeline_example(capsys):
     out = capsys.readouterr().out
     assert "PASS" in out and "pipelined (2 slots)" in out and "serial (1 slot)" in out
     assert "sum of its parts" in out
+
+
+class _RecordingTransport:
+    """A transport stand-in that records how each op polled its device errors."""
+
+    def __init__(self):
+        self.polls = []
+
+    def check_error(self, mid_exchange: bool = False) -> None:
+        self.polls.append(mid_exchange)
+
+
+@pytest.mark.parametrize("role,ops", [("attention", ("dispatch", "combine")),
+                                      ("ffn", ("receive", "reply"))])
+def test_ops_that_end_an_exchange_poll_timeouts_only(role, ops):
+    # a route error the kernels saw mid-exchange is raised by the next opening op, never by
+    # the collect / reply that completes the exchange (that would leave the peers waiting)
+    from torch_afdep.slots import Slots
+
+    cfg = Config(capacity_tokens_per_rank=4, hidden_size=128, num_experts=8, top_k=2,
+                    ffn_ranks=1, attention_ranks=1)
+    rank = 1 if role == "attention" else 0
+    assert cfg.role_of(rank) == role
+    t = _RecordingTransport()
+    slots = Slots(cfg, rank, torch.device("cpu"), "g", 0, [t])
+    opening, ending = ops
+    slots.begin(0, opening)
+    slots.end(0, opening, slots.state, route=torch.zeros(1, dtype=torch.int64))
+    slots.begin(0, ending)
+    assert t.polls == [False, True]

@@ -1,6 +1,7 @@
 """Out-of-range expert ids inside ``torch.compile(fullgraph=True)`` on CUDA: the host cannot
 read the ids there, so the dispatch kernel skips the entries (nothing out of bounds, the
-exchange completes) and the next op on that slot raises ``AfdepRouteError`` (a ValueError)
+exchange completes: the collect inside the same compiled step raises nothing) and the slot's
+next dispatch raises ``AfdepRouteError`` (a ValueError)
 naming ``expert_ids`` and its range, in the words of the eager check; the buffer stays usable.
 The CPU path raises before sending, compiled or not (tests/contract/test_failures.py)."""
 

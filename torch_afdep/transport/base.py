@@ -65,9 +65,11 @@ class Transport(Protocol):
         """Token layout: send row i of rows [N, H] bfloat16 back as its token's reply."""
 
     # ---- errors and lifecycle -------------------------------------------------------------
-    def check_error(self) -> None:
+    def check_error(self, mid_exchange: bool = False) -> None:
         """Raise what the device reported since the last call (AfdepTimeoutError,
-        AfdepRouteError); no synchronization."""
+        AfdepRouteError); no synchronization. ``mid_exchange`` (the op that ends an exchange:
+        combine, reply): timeouts only; route errors stay pending for the next op, so the
+        exchange in which the kernels skipped an entry still completes on every rank."""
 
     def close(self, clean: bool = True) -> None:
         """Free everything; ``clean`` meets every peer first (bounded by timeout_s)."""

@@ -135,7 +135,7 @@ class CpuTransport(Transport):
     def _irecv(self, t: torch.Tensor, peer: int, tag: int):
         return dist.irecv(t, self._global(peer), group=self.group, tag=self._tag0 + tag)
 
-    def check_error(self) -> None:
+    def check_error(self, mid_exchange: bool = False) -> None:
         pass  # CPU errors raise where they happen
 
     def close(self, clean: bool = True) -> None:

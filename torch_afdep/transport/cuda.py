@@ -292,9 +292,12 @@ class CudaTransport(Transport):
         return stamps, (int(v[-2]), int(v[-1]))
 
     # ---- errors and lifecycle ---------------------------------------------------------
-    def check_error(self) -> None:
-        """Raise what the device reported (host-mapped memory; no synchronization)."""
+    def check_error(self, mid_exchange: bool = False) -> None:
+        """Raise what the device reported (host-mapped memory; no synchronization).
+        ``mid_exchange``: timeouts only, route errors stay pending (Transport.check_error)."""
         if self._closed:
+            return
+        if mid_exchange and not self._comm.poll_error(False)["timeout"]:
             return
         e = self._comm.poll_error(True)
         if e["timeout"]:
