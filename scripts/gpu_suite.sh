@@ -8,6 +8,8 @@
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
+#      SHARDS=<n> (n concurrent pytest shards under MPS, each with 1/n of the SMs; failures
+#      rerun alone: scripts/shard_pytest.py),
 #      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
 #      outside tests/gpu and tests/contract, e.g. the doctor's; always in full mode).
 # Tests: tests/gpu (GPU-only) and the CUDA cases of tests/contract (-m gpu). Rank r runs on
@@ -87,9 +89,15 @@ if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
   TESTS="$TESTS --ignore=tests/contract/test_backend.py --ignore=tests/contract/test_mesh.py"
   stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
 fi
-stamp "pytest $TESTS -m gpu -k '$K'" | tee "$OUT/tests.log"
-timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
-  --durations=15 >>"$OUT/tests.log" 2>&1
+stamp "pytest $TESTS -m gpu -k '$K' (shards: ${SHARDS:-1})" | tee "$OUT/tests.log"
+if [ "${SHARDS:-1}" -gt 1 ] && [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then
+  # concurrent shards under MPS, each with 1/SHARDS of the SMs; failures rerun alone
+  $PY scripts/shard_pytest.py --shards "$SHARDS" --budget "${TEST_TIMEOUT:-420}" \
+    --out "$OUT/shards" -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
+else
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
+    --durations=15 >>"$OUT/tests.log" 2>&1
+fi
 echo "pytest rc=$?" | tee -a "$OUT/tests.log"
 # Other gpu-marked tests (tests/tools, tests/perf: the doctor's CUDA self-test); full mode, or MARKED=1
 if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then

@@ -388,3 +388,18 @@ def test_token_layout_graphs(layout, dtype_name):
     for o in ffn:  # zero-copy: one window, the same address eagerly and in every replay
         assert len(o["views"]) == 1, o["views"]
     assert routes >= a_n * (REPLAYS // 5) - a_n, routes  # every hostile replay reported
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+def test_token_layout_sanitizer_small(dtype_name):
+    """The token layout's eager plan and a few checked graph replays with hostile ids, 1A1F,
+    for compute-sanitizer memcheck (scripts/gpu_suite.sh runs ``pytest -k sanitizer`` under
+    it): no out-of-bounds access, and the results checked as in test_token_layout_graphs."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, timeout=900)
+    tol = _tol(dtype_name)
+    for r, out in enumerate(res):
+        assert not out["problems"], (r, out["problems"][:5])
+        bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
+        assert not bad, (r, bad[:5])
+        assert out["replays"] == 10, (r, out["replays"])
+    assert sum(o["route_errors"] for o in res) >= 1  # the hostile replays were reported

@@ -1,0 +1,124 @@
+"""Run a pytest selection as N concurrent shards on one GPU, then retry the failures alone.
+
+    python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR -- <pytest args>
+
+Every GPU test spawns its own world; most of a test's time is process start-up and CUDA
+initialisation, so shards that run side by side finish the suite in about 1/N of the time.
+Each shard runs with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N`` (under the MPS daemon the
+GPU's reported SM count shrinks with it, and the transport sizes its local grids from that),
+so the spinning receivers of the concurrent worlds leave each other SMs. A test that fails in
+a shard runs again alone, without the limit; only a test that fails alone counts as failed
+(its shard log and its lone log are both kept). Writes ``DIR/shard<i>.log``,
+``DIR/retry.log`` and ``DIR/summary.txt``; exit status 0 when every test passed or skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+# pytest -v: "<node id> PASSED [ 10%]" (setup errors and skips included, unlike -rA's lines)
+_RESULT = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: |$)")
+
+
+def collect(pytest_args):
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", *pytest_args],
+                         capture_output=True, text=True)
+    ids = [ln.strip() for ln in out.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
+    if not ids and out.returncode not in (0, 5):
+        sys.exit(f"collection failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return ids
+
+
+def results(log_path):
+    got = {}
+    with open(log_path, errors="replace") as f:
+        for ln in f:
+            m = _RESULT.match(ln)
+            if m and got.get(m.group(1)) not in ("FAILED", "ERROR"):
+                got[m.group(1)] = m.group(2)
+    return got
+
+
+def run_shards(ids, n, out_dir, budget_s):
+    """Run ``ids`` (node ids) round-robin over ``n`` concurrent pytest processes."""
+    shards = [ids[i::n] for i in range(n)]
+    procs = []
+    for i, part in enumerate(shards):
+        if not part:
+            continue
+        env = dict(os.environ)
+        if n > 1:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, 100 // n))
+        log = open(os.path.join(out_dir, f"shard{i}.log"), "w")
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+               "--durations=20", *part]
+        procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                      log))
+    deadline = time.monotonic() + budget_s
+    for i, p, log in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.send_signal(2)  # SIGINT: pytest prints what it has
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+    got = {}
+    for i, _, _ in procs:
+        got.update(results(os.path.join(out_dir, f"shard{i}.log")))
+    return got
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for shards + retries")
+    p.add_argument("--out", default=".")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                   help="after --: the selection (paths, -m, -k) to collect")
+    a = p.parse_args(argv)
+    args = [x for x in a.pytest_args if x != "--"]
+    if a.shards < 1:
+        p.error(f"--shards must be >= 1, got {a.shards}")
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.monotonic()
+    ids = collect(args)
+    got = run_shards(ids, a.shards, a.out, a.budget * 0.8)
+    bad = [t for t in ids if got.get(t) in ("FAILED", "ERROR")]
+    retried = {}
+    if bad:
+        left = a.budget - (time.monotonic() - t0)
+        if left > 30:
+            retry_log = os.path.join(a.out, "retry.log")
+            with open(retry_log, "w") as log:
+                subprocess.run(
+                    [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *bad],
+                    stdout=log, stderr=subprocess.STDOUT, timeout=left)
+            retried = results(retry_log)
+    final = {t: retried.get(t, got.get(t, "NOT RUN")) for t in ids}
+    counts = {}
+    for v in final.values():
+        counts[v] = counts.get(v, 0) + 1
+    lines = [f"{v} {t}" + ("  (failed in its shard, passed alone)" if t in bad and v == "PASSED"
+                           else "") for t, v in final.items()]
+    summary = (f"{len(ids)} tests, {a.shards} shards, {time.monotonic() - t0:.0f} s: "
+               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    with open(os.path.join(a.out, "summary.txt"), "w") as f:
+        f.write(summary + "\n" + "\n".join(lines) + "\n")
+    print(summary)
+    for ln in lines:
+        if not ln.startswith(("PASSED", "SKIPPED")) or "alone" in ln:
+            print(ln)
+    return 0 if all(v in ("PASSED", "SKIPPED") for v in final.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
