@@ -85,7 +85,8 @@ _CONTROLS = (
     _control("AFDEP_SIZED_GRID", 8, 0,
              "experimental, off by default (2 x H200: passes its tests, measured no gain): "
              "the wide local kernels run their wide grid only from 32 tokens (FFN: A x "
-             "bucket, Attention: T) and num_sms CTAs below, and the FFN's last reply CTA "
+             "bucket, Attention: T) and below one CTA per 4 tokens (at most num_sms), and "
+             "the FFN's last reply CTA "
              "stores the exchange number once per Attention rank instead of every CTA adding "
              "1; needs AFDEP_WIDE_LOCAL and the four directional controls; 0 = fixed grids"),
     _control("AFDEP_STREAM_EXPANSION", 9, 1,
@@ -99,6 +100,15 @@ _CONTROLS = (
              "combine kernels launch with programmatic dependent launch, so each may be "
              "scheduled while the previous kernel of its stream drains and waits "
              "(griddepcontrol.wait) before touching anything; 0 = ordinary launches"),
+    _control("AFDEP_ONE_FENCE", 11, 0,
+             "experimental, off by default: every signal a kernel writes to a peer (counts "
+             "ready, payload flags, reply done) is one system-scope fence followed by a "
+             "relaxed store or add, the fence ordering the CTA's data before it; 0 = the fence "
+             "followed by a release store or add (the release is a second system fence)"),
+    _control("AFDEP_LEAN_COUNTS", 12, 1,
+             "token layout: a sender CTA's count block carries its token count only, not its "
+             "per-expert counts (the token layout's receiver never reads them: E_local fewer "
+             "stores over NVLink in front of every count signal); 0 = the full count block"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

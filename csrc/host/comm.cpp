@@ -1,5 +1,6 @@
 #include "afdep/comm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -73,6 +74,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (L.row_bytes % 16 || L.H % 8) throw std::invalid_argument("hidden rows must be 16-byte multiples");
   if (L.S < 1 || L.S > 1024) throw std::invalid_argument("num_sms out of range");
   if (L.A > kMaxAttn) throw std::invalid_argument("at most 1024 Attention ranks");
+  if (L.F > kMaxFfn) throw std::invalid_argument("at most 64 FFN ranks");
   if (cfg.ffn_ctas < 1 || cfg.ffn_ctas > 4096) throw std::invalid_argument("ffn_ctas out of range");
   if (cfg.attn_ctas < 1 || cfg.attn_ctas > 4096) throw std::invalid_argument("attn_ctas out of range");
   // The FFN's receive/reply and the Attention's combine do mostly local work (expansion,
@@ -350,7 +352,11 @@ void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, ui
 
 int Comm::local_grid(int tokens, int wide) const {
   if (!L_.sized) return wide;  // fixed grids: the receivers count CTAs
-  return tokens >= kWideMinTokens ? wide : (wide < L_.S ? wide : L_.S);
+  if (tokens >= kWideMinTokens) return wide;
+  // few tokens: one CTA per kSmallTokensPerCta tokens (every loop is grid-stride), so a
+  // T = 1 exchange starts, polls and signals with one CTA instead of S
+  const int want = std::max(1, (tokens + kSmallTokensPerCta - 1) / kSmallTokensPerCta);
+  return std::min(std::min(wide, L_.S), want);
 }
 
 void Comm::ping(int peer, int iters, bool initiator, uint64_t stream) {

@@ -32,9 +32,9 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
-__device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, int ai, int v0,
-                            int v1, bool first, int lane, int (*s_rows)[32], int warp,
-                            int src_idx) {
+__device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
+                            int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
+                            int warp, int src_idx) {
   // both loads before the check: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
@@ -51,8 +51,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
   if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
   __syncwarp();
   const int nv = L.H / 8;
-  int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[ai]) + L.off_comb) +
-              ((size_t)src_idx * L.C + tok) * nv;
+  int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   const int4* rows = static_cast<const int4*>(a.rows);
   if (nvalid == 1) {
     warp_copy16<false>(dst + v0, rows + (size_t)s_rows[warp][0] * nv + v0, v1 - v0, lane);
@@ -89,8 +88,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item, 
 // summed its experts); copy it as is into its source's inbox at the token's index. Rows are
 // split into nch chunks of cv vectors (nch sized by the tokens received, not by the rows:
 // most rows may be empty); src_token[i] < 0 marks an empty row.
-__device__ void reply_token_rows(const Layout& L, const CombineArgs& a, int nch, int cv, int gw,
-                                 int nw, int lane, int src_idx) {
+__device__ void reply_token_rows(const Layout& L, const CombineArgs& a, char* const* ab, int nch,
+                                 int cv, int gw, int nw, int lane, int src_idx) {
   const int nv = L.H / 8;
   const int nrows = L.A * a.rps;
   const int4* rows = static_cast<const int4*>(a.rows);
@@ -104,8 +103,7 @@ __device__ void reply_token_rows(const Layout& L, const CombineArgs& a, int nch,
     }
     const int ai = row / a.rps;
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
-    int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[ai]) + L.off_comb) +
-                ((size_t)src_idx * L.C + tok) * nv;
+    int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
     if (v1 > v0) warp_copy16<false>(dst + v0, rows + (size_t)row * nv + v0, v1 - v0, lane);
   }
 }
@@ -156,6 +154,9 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
+  // window base of every Attention rank (FFN reply), loaded once with the receipt counts
+  // instead of two dependent global loads in front of every row's remote stores
+  __shared__ char* s_ab[kMaxAttn];
   pdl_wait(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       for (int ai = tid; ai < L.A; ai += blockDim.x) {
         s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
+        s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
         // This rank's receive took nothing from Attention rank ai (its bucket differed):
         // tell ai, ahead of this CTA's completion signal (the fence below covers it).
         const int sb = c == 0 ? L.mismatch[ai] : 0;
@@ -195,14 +197,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int nch = chunks_per_row(items, nw, nv);
       const int cv = (nv + nch - 1) / nch;
       if (a.tokens) {
-        reply_token_rows(L, a, nch, cv, gw, nw, lane, src_idx);
+        reply_token_rows(L, a, s_ab, nch, cv, gw, nw, lane, src_idx);
       } else {
         for (int u = gw; u < items * nch; u += nw) {
           const int h = u % nch, q = u / nch;
           const int ai = upper_index(s_tb, L.A, q);
           const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
           const int v0 = h * cv, v1 = min(nv, v0 + cv);
-          if (v1 > v0) reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
+          if (v1 > v0)
+            reply_chunk(L, a, s_ab, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
         }
       }
     }
@@ -213,26 +216,32 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       // (covering its rows, after the bar.sync) and arrives on a device-local count; the
       // last one fences again (acquiring the others' releases) and stores the exchange
       // number once per receiver.
+      // F_ONE_FENCE with few receivers: the last CTA's thread 0 stores every flag itself,
+      // relaxed, behind its own fence (no release store, no second fence per flag).
       __shared__ int s_last;
+      const bool own_flags = (fl & F_ONE_FENCE) && L.A <= 32;
       if (tid == 0) {
         fence_acq_rel_sys();
         s_last = atomicAdd(L.arrive + 2, 1u) == gridDim.x - 1;
         if (s_last) {
           L.arrive[2] = 0;
           fence_acq_rel_sys();
+          for (int ti = 0; own_flags && ti < L.A; ++ti)
+            st_relaxed_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
+                                                       L.off_comb_done) + L.rank, n);
         }
       }
       __syncthreads();
-      for (int ti = tid; s_last && ti < L.A; ti += blockDim.x)
+      for (int ti = tid; !own_flags && s_last && ti < L.A; ti += blockDim.x)
         st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
                                                    L.off_comb_done) + L.rank, n);
     } else if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
-        const int d = all_peers ? ti : L.rank_of_attn[ti];
-        fence_acq_rel_sys();
-        red_add_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, d) + L.off_comb_done) + L.rank, 1);
+        char* base = all_peers ? peer_base(L, ti)
+                     : a.real_send ? s_ab[ti] : peer_base(L, L.rank_of_attn[ti]);
+        signal_add_sys(L, reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank, 1);
       }
     }
     if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))

@@ -31,6 +31,15 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Strong but unordered store / add at system scope: the caller's fence orders what precedes.
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Shared-memory flag handed between warps of a CTA with acquire/release at CTA scope.
 __device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
   int v;
@@ -229,6 +238,20 @@ __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
   __syncthreads();
 }
 
+// One thread signals a peer that the data its CTA wrote before (behind a bar.sync) is there:
+// a system fence, whose cumulativity covers the CTA's stores, then the flag. A release store
+// after the fence is a second system fence; F_ONE_FENCE stores the flag relaxed instead (the
+// fence already orders everything before it).
+__device__ __forceinline__ void signal_store_sys(const Layout& L, uint64_t* p, uint64_t v) {
+  fence_acq_rel_sys();
+  if (L.flags & F_ONE_FENCE) st_relaxed_sys(p, v); else st_release_sys(p, v);
+}
+
+__device__ __forceinline__ void signal_add_sys(const Layout& L, uint64_t* p, uint64_t v) {
+  fence_acq_rel_sys();
+  if (L.flags & F_ONE_FENCE) red_add_relaxed_sys(p, v); else red_add_release_sys(p, v);
+}
+
 // After a CTA's wait for a peer's signal, before its threads read what the peer wrote: every
 // reading thread fences at system scope. Measured on 2 x H200: with only the waiting thread's
 // acquire and a bar.sync ordering the other threads' loads after it, a combine read the
@@ -301,10 +324,8 @@ __device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_
   const int c = blockIdx.x;
   const int64_t off = L.off_exit + (int64_t)phase * L.W * L.S * 8;
   sys_fence_then_sync(L);
-  for (int p = threadIdx.x; p < L.W; p += blockDim.x) {
-    fence_acq_rel_sys();
-    st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
-  }
+  for (int p = threadIdx.x; p < L.W; p += blockDim.x)
+    signal_store_sys(L, sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
   bool ok = true;
   for (int i = threadIdx.x; i < L.W * L.S && ok; i += blockDim.x) {
     ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, i / L.S, i % L.S), n, deadline,

@@ -14,14 +14,21 @@ constexpr unsigned kFull = 0xffffffffu;
 // The count block's `ahead` word: how the receiver learns that a region's payload is complete.
 enum Ahead : int { kAheadNone = 0, kAheadChannel = 1, kAheadRows = 2 };
 
+// Token layout with F_LEAN_COUNTS: count blocks carry the header only (the token layout's
+// receiver never reads the per-expert counts).
+__device__ __forceinline__ bool lean_counts(const Layout& L) {
+  return L.tokens && (L.flags & F_LEAN_COUNTS);
+}
+
 // Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
 // k expert ids; duplicated ids count once (first occurrence); for each reached FFN rank one
 // slot of region (src, c) is claimed with a shared atomic, and each local entry takes the next
 // position of its expert within this CTA (s_ecnt), which the receiver turns into the row of
 // the expert-major layout without any atomics. Unless count_only, the slot's metadata is
 // written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
-__device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i, bool count_only,
-                            int* s_cnt, int* s_ecnt, int* s_slot, int src_idx, int c) {
+__device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
+                            bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
+                            int c) {
   const int lane = threadIdx.x & 31;
   long long e = -1;
   float w = 0.f;
@@ -56,14 +63,14 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
     slot = __shfl_sync(kFull, slot, 0);
     const bool mine = valid && f == fd && r < L.R;
     int pos = 0;
-    if (mine) pos = atomicAdd(&s_ecnt[e], 1);
+    if (mine && !lean_counts(L)) pos = atomicAdd(&s_ecnt[e], 1);  // lean: nobody reads them
     if (count_only) continue;
     if (slot >= a.stride) {  // cannot happen with T <= bucket <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
       continue;
     }
     if (lane == 0) s_slot[i * L.F + fd] = slot;
-    char* base = peer_base(L, L.rank_of_ffn[fd]);
+    char* base = fb[fd];
     const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
     int* meta = reinterpret_cast<int*>(base + L.off_meta) + gslot * L.meta_ints;
     if (lane == 0) {
@@ -82,9 +89,10 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, int t, int i
 
 // Copy vectors [v0, v1) of token t's row (and, with v0 == 0, its scales) into slot `slot` of
 // region (src_idx, c) at FFN index fd. One warp.
-__device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a, int t, int fd,
-                                         int slot, int src_idx, int c, int v0, int v1, int lane) {
-  char* base = peer_base(L, L.rank_of_ffn[fd]);
+__device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a, char* const* fb,
+                                         int t, int fd, int slot, int src_idx, int c, int v0,
+                                         int v1, int lane) {
+  char* base = fb[fd];
   const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
   const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                   (size_t)t * L.row_bytes);
@@ -99,8 +107,8 @@ __device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a,
 
 // Copy stage for few tokens: every (token, destination) row of this CTA, split into chunks so
 // one token's row is spread over the whole CTA.
-__device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int ntok,
-                            const int* s_slot, int src_idx, int c) {
+__device__ void copy_tokens(const Layout& L, const DispatchArgs& a, char* const* fb, int lo,
+                            int ntok, const int* s_slot, int src_idx, int c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
   const int pairs = ntok * L.F;
@@ -111,28 +119,26 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, int lo, int 
     const int i = pi / L.F, fd = pi % L.F;
     const int slot = s_slot[i * L.F + fd];
     if (slot < 0) continue;
-    copy_row(L, a, lo + i, fd, slot, src_idx, c, h * cv, min(nv, h * cv + cv), lane);
+    copy_row(L, a, fb, lo + i, fd, slot, src_idx, c, h * cv, min(nv, h * cv + cv), lane);
   }
 }
 
 // Streamed expansion: one warp per (token, FFN) row, each row followed by its own flag, so the
 // FFN expands it without waiting for the rest of the channel. The flag store by lane 0 comes
 // after __syncwarp and a system fence, which order the whole warp's row stores before it.
-__device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo, int ntok,
-                                  const int* s_slot, int src_idx, int c, uint64_t n) {
+__device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, char* const* fb, int lo,
+                                  int ntok, const int* s_slot, int src_idx, int c, uint64_t n) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
   for (int u = warp; u < ntok * L.F; u += kWarps) {
     const int i = u / L.F, fd = u % L.F;
     const int slot = s_slot[i * L.F + fd];
     if (slot < 0) continue;
-    copy_row(L, a, lo + i, fd, slot, src_idx, c, 0, nv, lane);
+    copy_row(L, a, fb, lo + i, fd, slot, src_idx, c, 0, nv, lane);
     __syncwarp();
     if (lane == 0) {
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
-      fence_acq_rel_sys();
-      st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_ffn[fd]) +
-                                                 L.off_rowflag) + gslot, n);
+      signal_store_sys(L, reinterpret_cast<uint64_t*>(fb[fd] + L.off_rowflag) + gslot, n);
     }
   }
 }
@@ -142,11 +148,11 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, int lo
 // kAheadChannel, wait for the region's payload flag; kAheadRows, wait for each row's flag.
 // The same word carries the sender's bucket (layout.h kAheadBits; 0: not declared), which
 // the FFN compares with its own.
-__device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, const int* s_cnt,
-                               const int* s_ecnt, int ahead, int bucket) {
+__device__ void publish_counts(const Layout& L, char* const* fb, uint64_t n, bool all_peers,
+                               const int* s_cnt, const int* s_ecnt, int ahead, int bucket) {
   const int c = blockIdx.x;
   const int ntg = all_peers ? L.W : L.F;
-  const int per = L.El + 1;
+  const int per = lean_counts(L) ? 1 : L.El + 1;  // lean: the header only
   for (int i = threadIdx.x; i < ntg * per; i += blockDim.x) {
     const int ti = i / per, e = i % per;
     int d, f;
@@ -159,7 +165,7 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
       d = L.rank_of_ffn[ti];
       f = ti;
     }
-    char* blk = cnt_block(L, peer_base(L, d), L.rank, c);
+    char* blk = cnt_block(L, all_peers ? peer_base(L, d) : fb[f], L.rank, c);
     int v = 0;
     if (f >= 0) v = (e == 0) ? s_cnt[f] : s_ecnt[(size_t)f * L.El + (e - 1)];
     if (e == 0) {
@@ -170,9 +176,8 @@ __device__ void publish_counts(const Layout& L, uint64_t n, bool all_peers, cons
   }
   sys_fence_then_sync(L);
   for (int ti = threadIdx.x; ti < ntg; ti += blockDim.x) {
-    const int d = all_peers ? ti : L.rank_of_ffn[ti];
-    fence_acq_rel_sys();
-    st_release_sys(reinterpret_cast<uint64_t*>(cnt_block(L, peer_base(L, d), L.rank, c)), n);
+    char* base = all_peers ? peer_base(L, ti) : fb[ti];
+    signal_store_sys(L, reinterpret_cast<uint64_t*>(cnt_block(L, base, L.rank, c)), n);
   }
 }
 
@@ -482,6 +487,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   pdl_launch_dependents(L);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
+  // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
+  // instead of two dependent global loads in front of every remote store
+  __shared__ char* s_fb[kMaxFfn];
+  for (int i = tid; i < L.F; i += blockDim.x) s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
   const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   const bool all_peers = !(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS);
@@ -512,9 +521,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     __syncthreads();
     if (count_first) {
       for (int t = lo + warp; t < hi; t += kWarps)
-        claim_token(L, a, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
+        claim_token(L, a, s_fb, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
       __syncthreads();
-      publish_counts(L, n, true, s_cnt, s_ecnt, kAheadNone, send_bucket);
+      publish_counts(L, s_fb, n, true, s_cnt, s_ecnt, kAheadNone, send_bucket);
       // everyone spins until every rank's counts arrived
       bool ok = true;
       for (int i = tid; i < L.W * L.S && ok; i += blockDim.x)
@@ -535,12 +544,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const bool fused = hi - lo >= kWarps && !stream;
     const int lane = tid & 31, nv = L.row_bytes / 16;
     for (int t = lo + warp; t < hi; t += kWarps) {
-      claim_token(L, a, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
+      claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
       if (!fused) continue;
       __syncwarp();
       for (int fd = 0; fd < L.F; ++fd) {
         const int slot = s_slot[(t - lo) * L.F + fd];
-        if (slot >= 0) copy_row(L, a, t, fd, slot, src_idx, c, 0, nv, lane);
+        if (slot >= 0) copy_row(L, a, s_fb, t, fd, slot, src_idx, c, 0, nv, lane);
       }
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
@@ -550,29 +559,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
     const bool row_flags = ahead && stream;  // else one payload flag per channel
     if (ahead)  // metadata fenced inside
-      publish_counts(L, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel,
+      publish_counts(L, s_fb, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel,
                      send_bucket);
     if (row_flags) {
-      copy_rows_flagged(L, a, lo, hi - lo, s_slot, src_idx, c, n);
+      copy_rows_flagged(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
     } else if (!fused) {
-      copy_tokens(L, a, lo, hi - lo, s_slot, src_idx, c);
+      copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
     trace_mark(L, kPhaseDispatch, n, kTrCopied, -1);
     if (!count_first && !ahead)
-      publish_counts(L, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
+      publish_counts(L, s_fb, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
     if (ahead && !row_flags) {
-      for (int ti = tid; ti < L.F; ti += blockDim.x) {
-        fence_acq_rel_sys();
-        st_release_sys(sig_slot(peer_base(L, L.rank_of_ffn[ti]), L.off_disp_done, L.W, L.S,
-                                L.rank, c), n);
-      }
+      for (int ti = tid; ti < L.F; ti += blockDim.x)
+        signal_store_sys(L, sig_slot(s_fb[ti], L.off_disp_done, L.W, L.S, L.rank, c), n);
     } else if (count_first && rwo) {
-      for (int d = tid; d < L.W; d += blockDim.x) {
-        fence_acq_rel_sys();
-        st_release_sys(sig_slot(peer_base(L, d), L.off_disp_done, L.W, L.S, L.rank, c), n);
-      }
+      for (int d = tid; d < L.W; d += blockDim.x)
+        signal_store_sys(L, sig_slot(peer_base(L, d), L.off_disp_done, L.W, L.S, L.rank, c), n);
     }
     trace_mark(L, kPhaseDispatch, n, kTrSent, kTrMaxSent);
   }

@@ -24,7 +24,11 @@ namespace afdep {
   X(STREAM_EXPANSION, 9)    /* sender CTAs with >= kStreamMinTokens tokens: counts ahead,     \
                                then one flag per row; the FFN expands each row as it lands */ \
   X(PDL, 10)                /* programmatic dependent launch of the transport kernels         \
-                               (experimental) */
+                               (experimental) */                                              \
+  X(ONE_FENCE, 11)          /* a signal is one system fence and a relaxed store (else the     \
+                               fence and a release store: a second fence; experimental) */    \
+  X(LEAN_COUNTS, 12)        /* token layout: count blocks carry the count only (no            \
+                               per-expert counts, which only the expert layout reads) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
@@ -38,6 +42,7 @@ constexpr uint32_t kAllRoleAware = 0
 #undef AFDEP_CONTROL_OR
     ;
 constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
+constexpr int kMaxFfn = 64;     // FFN ranks per group (the route is a 64-bit mask)
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
 // i.e. when crossing NVLink takes longer than the receiver's offset computation.
@@ -50,6 +55,8 @@ constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
 // Sized grids: a local kernel runs its wide grid from this many tokens (FFN: A x bucket,
 // Attention: T) and S CTAs below (2 x H200: S was faster at T <= 8, wide from T = 128).
 constexpr int kWideMinTokens = 32;
+// ... and below that, one CTA per this many tokens (at most S): T = 1 runs one CTA.
+constexpr int kSmallTokensPerCta = 4;
 // Streamed expansion: a sender CTA flags each row only from this many tokens; below, the
 // fused or one-flag paths stay (2 x H200, H4096 BF16: 22 tokens per CTA were 4% slower with
 // row flags, 86 tokens 9% faster).
