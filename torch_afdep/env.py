@@ -85,8 +85,7 @@ _CONTROLS = (
     _control("AFDEP_SIZED_GRID", 8, 0,
              "experimental, off by default (2 x H200: passes its tests, measured no gain): "
              "the wide local kernels run their wide grid only from 32 tokens (FFN: A x "
-             "bucket, Attention: T) and below one CTA per 4 tokens (at most num_sms), and "
-             "the FFN's last reply CTA "
+             "bucket, Attention: T) and num_sms CTAs below, and the FFN's last reply CTA "
              "stores the exchange number once per Attention rank instead of every CTA adding "
              "1; needs AFDEP_WIDE_LOCAL and the four directional controls; 0 = fixed grids"),
     _control("AFDEP_STREAM_EXPANSION", 9, 1,

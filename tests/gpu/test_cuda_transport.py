@@ -229,8 +229,8 @@ def test_one_fence_eager(layout, cap, hidden, dtype, env):
                                                  ("float8_e4m3fn", 2048, 1180)],
                          ids=["bf16-T1", "bf16-T128", "fp8-T1180"])
 def test_small_t_graph_replays(dtype, bucket, tokens):
-    """The small-batch candidates together (sized grid: one CTA at T = 1, PDL, one fence per
-    signal) inside captured graphs: 100 checked replays, fresh inputs each."""
+    """The small-batch candidates together (sized grid: S CTAs below 32 tokens, PDL, one
+    fence per signal) inside captured graphs: 100 checked replays, fresh inputs each."""
     kw = cfg_kw("1A1F", bucket, 2048, dtype)
     res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 9000,
                           env={**BASE_ENV, **SMALL_T}, timeout=600)

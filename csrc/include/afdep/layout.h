@@ -55,8 +55,6 @@ constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
 // Sized grids: a local kernel runs its wide grid from this many tokens (FFN: A x bucket,
 // Attention: T) and S CTAs below (2 x H200: S was faster at T <= 8, wide from T = 128).
 constexpr int kWideMinTokens = 32;
-// ... and below that, one CTA per this many tokens (at most S): T = 1 runs one CTA.
-constexpr int kSmallTokensPerCta = 4;
 // Streamed expansion: a sender CTA flags each row only from this many tokens; below, the
 // fused or one-flag paths stay (2 x H200, H4096 BF16: 22 tokens per CTA were 4% slower with
 // row flags, 86 tokens 9% faster).
