@@ -1,15 +1,19 @@
 """Run a pytest selection as N concurrent shards on one GPU, then retry the failures alone.
 
-    python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR -- <pytest args>
+    python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR [--serial-k EXPR] \
+        -- <pytest args>
 
 Every GPU test spawns its own world; most of a test's time is process start-up and CUDA
 initialisation, so shards that run side by side finish the suite in about 1/N of the time.
 Each shard runs with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N`` (under the MPS daemon the
 GPU's reported SM count shrinks with it, and the transport sizes its local grids from that),
-so the spinning receivers of the concurrent worlds leave each other SMs. A test that fails in
-a shard runs again alone, without the limit; only a test that fails alone counts as failed
-(its shard log and its lone log are both kept). Writes ``DIR/shard<i>.log``,
-``DIR/retry.log`` and ``DIR/summary.txt``; exit status 0 when every test passed or skipped.
+so the spinning receivers of the concurrent worlds leave each other SMs. Worlds whose kernels
+wait at barriers (the symmetric protocol, reverted directional controls) need all their CTAs
+resident at once and starve beside other worlds (one H200, 4 shards: 16 timeouts): the tests
+that ``--serial-k`` selects run alone, after the shards. A test that fails in a shard runs
+again alone, without the limit; only a test that fails alone counts as failed (its shard log
+and its lone log are both kept). Writes ``DIR/shard<i>.log``,
+``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test passed or skipped.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def main(argv=None):
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--budget", type=float, default=480.0, help="seconds for shards + retries")
     p.add_argument("--out", default=".")
+    p.add_argument("--serial-k", default="",
+                   help="-k expression of the tests that run alone after the shards")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="after --: the selection (paths, -m, -k) to collect")
     a = p.parse_args(argv)
@@ -91,18 +97,23 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t0 = time.monotonic()
     ids = collect(args)
-    got = run_shards(ids, a.shards, a.out, a.budget * 0.8)
+    serial = set(collect(args + ["-k", a.serial_k])) if a.serial_k else set()
+    got = run_shards([t for t in ids if t not in serial], a.shards, a.out, a.budget * 0.5)
     bad = [t for t in ids if got.get(t) in ("FAILED", "ERROR")]
     retried = {}
-    if bad:
+    alone = [t for t in ids if t in serial] + bad
+    if alone:
         left = a.budget - (time.monotonic() - t0)
         if left > 30:
-            retry_log = os.path.join(a.out, "retry.log")
-            with open(retry_log, "w") as log:
-                subprocess.run(
-                    [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *bad],
-                    stdout=log, stderr=subprocess.STDOUT, timeout=left)
-            retried = results(retry_log)
+            alone_log = os.path.join(a.out, "alone.log")
+            with open(alone_log, "w") as log:
+                try:
+                    subprocess.run(
+                        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *alone],
+                        stdout=log, stderr=subprocess.STDOUT, timeout=left)
+                except subprocess.TimeoutExpired:
+                    log.write("\n(budget spent: the rest of the tests that run alone did not run)\n")
+            retried = results(alone_log)
     final = {t: retried.get(t, got.get(t, "NOT RUN")) for t in ids}
     counts = {}
     for v in final.values():

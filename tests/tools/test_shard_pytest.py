@@ -1,0 +1,26 @@
+"""scripts/shard_pytest.py (the GPU suite's SHARDS=n driver), on two quick CPU tests: one runs
+in a shard, the one --serial-k selects runs alone afterwards, and the summary counts both."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_shards_then_serial_tests_alone(tmp_path):
+    sel = ["tests/contract/test_slots.py", "-k", "tag_ranges or num_slots_default"]
+    out = subprocess.run(
+        [sys.executable, "scripts/shard_pytest.py", "--shards", "2", "--budget", "240",
+         "--out", str(tmp_path), "--serial-k", "num_slots_default", "--", *sel],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("2 tests, 2 shards") and "PASSED 2" in summary, summary
+    shards = "".join(p.read_text() for p in tmp_path.glob("shard*.log"))
+    alone = (tmp_path / "alone.log").read_text()
+    assert "test_tag_ranges_never_overlap PASSED" in shards, shards[-2000:]
+    assert "test_num_slots_default_and_fingerprint PASSED" in alone, alone[-2000:]
+    assert "test_num_slots_default_and_fingerprint" not in shards
