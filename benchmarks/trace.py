@@ -35,7 +35,7 @@ import torch.distributed as dist
 from benchmarks import arms, common
 from torch_afdep import mps
 
-# trace points (csrc/core/layout.h TracePoint)
+# trace points (csrc/include/afdep/layout.h TracePoint)
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
  TABLE) = range(12)
 D, C = 0, 1  # phases
