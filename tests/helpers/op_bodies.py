@@ -87,9 +87,9 @@ def compile_body(rank, world, device):
     polls = [0]
     for t in buf.transports:
         @torch.compiler.disable
-        def poll(orig=t.check_error):
+        def poll(mid_exchange=False, orig=t.check_error):
             polls[0] += 1
-            orig()
+            orig(mid_exchange)
         t.check_error = poll
 
     def recording_backend(gm, example_inputs):
