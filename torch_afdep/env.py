@@ -147,6 +147,11 @@ _OTHERS = (
             "the commit recorded in result files (empty: git rev-parse)", AT_BENCH),
     Setting("AFDEP_BENCH_INJECT", "str", "",
             "benchmark test hook: inject failures (never set in real runs)", AT_BENCH),
+    Setting("AFDEP_WORLD_START", "choice", "auto",
+            "how spawn_world starts ranks: forkserver (a server process that imported torch "
+            "once forks every rank: about 0.1 s instead of seconds per world), spawn (a fresh "
+            "interpreter per rank), or auto: forkserver for CPU worlds, spawn for GPU worlds",
+            AT_TESTS, choices=("auto", "spawn", "forkserver")),
     Setting("AFDEP_WORLD_STACKS_S", "float", 0.0,
             "spawned test worlds print every rank's Python stacks after this many seconds "
             "(0: never)", AT_TESTS),

@@ -156,11 +156,36 @@ def test_next_exchange_after_errors_is_exact(faults):
     assert o_ffn["errors"] and o_attn["errors"]
 
 
-def test_world_stack_dump_names_where_a_rank_waits(capfd):
+def test_world_stack_dump_names_where_a_rank_waits(capfd, monkeypatch):
     """AFDEP_WORLD_STACKS_S: each rank of a spawned world prints its stack when it is still
     running after N seconds (how run 19 found a hung NCCL test)."""
+    # spawned ranks write to this test's stderr (forked ones to the fork server's)
+    monkeypatch.setenv("AFDEP_WORLD_START", "spawn")
     # the timer starts before the process group forms; the last rank to join sleeps at 1 s
     out = spawn_world(fb.sleeping_body, 2, 5.0, env={"AFDEP_WORLD_STACKS_S": "1"}, timeout=60)
     assert out == [0, 1]
     err = capfd.readouterr().err
     assert err.count("Timeout (0:00:01)") == 2 and "in sleeping_body" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_world_ranks_see_the_callers_environment_of_the_moment(monkeypatch, method):
+    """Forked CPU ranks (the default) and spawned ones alike see the environment the caller
+    has when it calls spawn_world, plus ``env``: a variable set after the fork server
+    started, one removed since, and one passed in."""
+    import os
+
+    from torch_afdep.testing import _start_method
+
+    assert _start_method(None) == "forkserver" and _start_method([0, 0]) == "spawn"
+    monkeypatch.setenv("AFDEP_WORLD_START", method)
+    monkeypatch.setenv("AFDTEST_PROBE_GONE", "x")
+    spawn_world(fb.environ_body, 2, [])  # (re)uses the fork server with the variable set
+    monkeypatch.delenv("AFDTEST_PROBE_GONE")
+    monkeypatch.setenv("AFDTEST_PROBE_SET", "late")
+    out = spawn_world(fb.environ_body, 2,
+                      ["AFDTEST_PROBE_SET", "AFDTEST_PROBE_GONE", "AFDTEST_PROBE_ENV"],
+                      env={"AFDTEST_PROBE_ENV": "given"})
+    for values, ppid in out:
+        assert values == ["late", None, "given"], values
+        assert (ppid == os.getpid()) == (method == "spawn"), (method, ppid, os.getpid())

@@ -683,6 +683,12 @@ def kill_attention_world(rank, world, outdir):
     return run_parts(rank, world, outdir, ["kill_attention"])
 
 
+def environ_body(rank, ws, names):
+    """The rank's values of ``names`` (None: unset) and its parent process id (the caller's
+    for a spawned rank, the fork server's for a forked one)."""
+    return [os.environ.get(n) for n in names], os.getppid()
+
+
 def sleeping_body(rank, ws, seconds):
     """Sleeps past AFDEP_WORLD_STACKS_S, so the rank's stack dump fires."""
     time.sleep(seconds)
