@@ -9,7 +9,8 @@
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
 #      SHARDS=<n> (n concurrent pytest shards under MPS, each with 1/n of the SMs; the tests
-#      SERIAL_K selects, and failures, run alone afterwards: scripts/shard_pytest.py),
+#      SERIAL_K selects, and failures, run alone afterwards: scripts/shard_pytest.py;
+#      RESUME=<summary.txt of an earlier call at the same commit> skips what passed there),
 #      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
 #      outside tests/gpu and tests/contract, e.g. the doctor's; always in full mode).
 # Tests: tests/gpu (GPU-only) and the CUDA cases of tests/contract (-m gpu). Rank r runs on
@@ -90,12 +91,13 @@ if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
   stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
 fi
 stamp "pytest $TESTS -m gpu -k '$K' (shards: ${SHARDS:-1})" | tee "$OUT/tests.log"
-if [ "${SHARDS:-1}" -gt 1 ] && [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then
+if { [ "${SHARDS:-1}" -gt 1 ] && [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; } || [ -n "${RESUME:-}" ]; then
   # concurrent shards under MPS, each with 1/SHARDS of the SMs; failures rerun alone
   # tests whose worlds wait at barriers or hold many ranks run alone after the shards
   SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
   $PY scripts/shard_pytest.py --shards "$SHARDS" --budget "${TEST_TIMEOUT:-420}" \
-    --out "$OUT/shards" --serial-k "$SERIAL_K" -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
+    --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME:+--resume "$RESUME"} \
+    -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
 else
   timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
     --durations=15 >>"$OUT/tests.log" 2>&1

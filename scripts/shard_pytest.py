@@ -1,7 +1,7 @@
 """Run a pytest selection as N concurrent shards on one GPU, then retry the failures alone.
 
     python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR [--serial-k EXPR] \
-        -- <pytest args>
+        [--resume SUMMARY] -- <pytest args>
 
 Every GPU test spawns its own world; most of a test's time is process start-up and CUDA
 initialisation, so shards that run side by side finish the suite in about 1/N of the time.
@@ -12,7 +12,9 @@ wait at barriers (the symmetric protocol, reverted directional controls) need al
 resident at once and starve beside other worlds (one H200, 4 shards: 16 timeouts): the tests
 that ``--serial-k`` selects run alone, after the shards. A test that fails in a shard runs
 again alone, without the limit; only a test that fails alone counts as failed (its shard log
-and its lone log are both kept). Writes ``DIR/shard<i>.log``,
+and its lone log are both kept). ``--resume`` takes an earlier run's summary.txt and leaves
+out the tests that passed or skipped there (a suite longer than one device call, finished
+over several calls at one commit; the new summary counts them as passed earlier). Writes ``DIR/shard<i>.log``,
 ``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test passed or skipped.
 """
 
@@ -88,6 +90,8 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--serial-k", default="",
                    help="-k expression of the tests that run alone after the shards")
+    p.add_argument("--resume", default="",
+                   help="summary.txt of an earlier run: its passed and skipped tests are done")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="after --: the selection (paths, -m, -k) to collect")
     a = p.parse_args(argv)
@@ -97,6 +101,16 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t0 = time.monotonic()
     ids = collect(args)
+    done = {}
+    if a.resume:
+        with open(a.resume) as f:
+            for ln in f:
+                word, _, node = ln.rstrip("\n").partition(" ")
+                node = node.split("  (")[0]
+                if word in ("PASSED", "SKIPPED"):
+                    done[node] = word
+    earlier = {t: done[t] for t in ids if t in done}
+    ids = [t for t in ids if t not in earlier]
     serial = set(collect(args + ["-k", a.serial_k])) if a.serial_k else set()
     got = run_shards([t for t in ids if t not in serial], a.shards, a.out, a.budget * 0.5)
     bad = [t for t in ids if got.get(t) in ("FAILED", "ERROR")]
@@ -115,12 +129,15 @@ def main(argv=None):
                     log.write("\n(budget spent: the rest of the tests that run alone did not run)\n")
             retried = results(alone_log)
     final = {t: retried.get(t, got.get(t, "NOT RUN")) for t in ids}
+    final.update(earlier)
     counts = {}
     for v in final.values():
         counts[v] = counts.get(v, 0) + 1
     lines = [f"{v} {t}" + ("  (failed in its shard, passed alone)" if t in bad and v == "PASSED"
-                           else "") for t, v in final.items()]
-    summary = (f"{len(ids)} tests, {a.shards} shards, {time.monotonic() - t0:.0f} s: "
+                           else "  (in the resumed run)" if t in earlier else "")
+             for t, v in final.items()]
+    summary = (f"{len(final)} tests, {a.shards} shards, {time.monotonic() - t0:.0f} s"
+               + (f" ({len(earlier)} done in the resumed run)" if earlier else "") + ": "
                + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     with open(os.path.join(a.out, "summary.txt"), "w") as f:
         f.write(summary + "\n" + "\n".join(lines) + "\n")

@@ -1,5 +1,6 @@
 """scripts/shard_pytest.py (the GPU suite's SHARDS=n driver), on two quick CPU tests: one runs
-in a shard, the one --serial-k selects runs alone afterwards, and the summary counts both."""
+in a shard, the one --serial-k selects runs alone afterwards, and the summary counts both;
+--resume with that summary runs neither again."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def test_shards_then_serial_tests_alone(tmp_path):
     assert "test_tag_ranges_never_overlap PASSED" in shards, shards[-2000:]
     assert "test_num_slots_default_and_fingerprint PASSED" in alone, alone[-2000:]
     assert "test_num_slots_default_and_fingerprint" not in shards
+
+    # --resume: what passed there is done; only the rest runs (here: nothing)
+    again = tmp_path / "again"
+    out = subprocess.run(
+        [sys.executable, "scripts/shard_pytest.py", "--shards", "2", "--budget", "240",
+         "--out", str(again), "--resume", str(tmp_path / "summary.txt"), "--", *sel],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = (again / "summary.txt").read_text()
+    assert "(2 done in the resumed run)" in summary and "PASSED 2" in summary, summary
+    assert not list(again.glob("shard*.log")), "a resumed test ran again"
