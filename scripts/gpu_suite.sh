@@ -73,6 +73,17 @@ if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; 
     stamp "MPS daemon started: shared-GPU layouts enabled" | tee -a "$OUT/env.log"
   fi
 fi
+# GPU worlds fork from a server that imported torch once (seconds saved per test) when a
+# probe world gets working CUDA that way; else (or with AFDEP_WORLD_START set) as given
+if [ -z "${AFDEP_WORLD_START:-}" ]; then
+  if AFDEP_WORLD_START=forkserver timeout 90 $PY -c 'from torch_afdep.testing import spawn_world, cuda_probe_body
+assert spawn_world(cuda_probe_body, 2, device_ids=[0, 0], timeout=80) == [2.0, 2.0]' >>"$OUT/env.log" 2>&1; then
+    export AFDEP_WORLD_START=forkserver
+    stamp "forked GPU worlds work: AFDEP_WORLD_START=forkserver" | tee -a "$OUT/env.log"
+  else
+    stamp "forked GPU worlds failed the probe (env.log): GPU worlds spawn" | tee -a "$OUT/env.log"
+  fi
+fi
 if [ "$MODE" = "smoke" ]; then
   # about 5 minutes on 2 x H200: every kernel path of 1A1F, the contract's 1A1F exchanges
   K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy or (fp64_reference and 1A1F)"
@@ -124,7 +135,7 @@ tail -25 "$OUT/tests.log"
 # daemon still up (it stops after them); with two or more GPUs they run one rank per GPU.
 if [ "${SKIP_SAN:-0}" != "1" ]; then
   stamp "compute-sanitizer memcheck (small 1A1F, 1A2F; shared GPU: ${AFDEP_TEST_SHARED_GPU:-0})" | tee "$OUT/sanitizer.log"
-  timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
+  AFDEP_WORLD_START=spawn timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
     --error-exitcode 9 $PY -m pytest tests/gpu -q -x -rs -p no:cacheprovider -k sanitizer \
     >>"$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"

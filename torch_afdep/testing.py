@@ -54,6 +54,14 @@ def load_rank_record(outdir: str, rank: int, missing: Any = FileNotFoundError) -
         return pickle.load(f)
 
 
+def cuda_probe_body(rank: int, world_size: int) -> float:
+    """A world's smallest CUDA work (scripts/gpu_suite.sh: do forked ranks get a working
+    CUDA context here?): 2.0 from every rank when they do."""
+    import torch
+
+    return float(torch.ones(2, device="cuda").sum().item())
+
+
 def _start_method(device_ids) -> str:
     """forkserver for CPU worlds, spawn for GPU worlds (or AFDEP_WORLD_START)."""
     method = _env.get("AFDEP_WORLD_START")
