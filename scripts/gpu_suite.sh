@@ -106,7 +106,7 @@ if { [ "${SHARDS:-1}" -gt 1 ] && [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; } || [
   # concurrent shards under MPS, each with 1/SHARDS of the SMs; failures rerun alone
   # tests whose worlds wait at barriers or hold many ranks run alone after the shards
   SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
-  $PY scripts/shard_pytest.py --shards "$SHARDS" --budget "${TEST_TIMEOUT:-420}" \
+  $PY scripts/shard_pytest.py --shards "${SHARDS:-1}" --budget "${TEST_TIMEOUT:-420}" \
     --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME:+--resume "$RESUME"} \
     -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
 else
