@@ -13,6 +13,8 @@
 #      RESUME=<summary.txt of an earlier call at the same commit> skips what passed there),
 #      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
 #      outside tests/gpu and tests/contract, e.g. the doctor's; always in full mode).
+#      Test-only packages the device lacks (expecttest) can travel in .carry/py (git-ignored;
+#      `run` carry=[".carry"]): it goes on PYTHONPATH when present.
 # Tests: tests/gpu (GPU-only) and the CUDA cases of tests/contract (-m gpu). Rank r runs on
 # GPU r % n_gpus, so one GPU runs everything (ranks share it under the MPS daemon started
 # below; 2-GPU-only tests, NCCL one rank per GPU, skip with their reason).
@@ -24,6 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 export MAX_JOBS="${MAX_JOBS:-32}"
 PY=python3
+if [ -d "$PWD/.carry/py" ]; then export PYTHONPATH="$PWD/.carry/py:${PYTHONPATH:-}"; fi
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -102,8 +105,10 @@ if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
   stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
 fi
 stamp "pytest $TESTS -m gpu -k '$K' (shards: ${SHARDS:-1})" | tee "$OUT/tests.log"
-if { [ "${SHARDS:-1}" -gt 1 ] && [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; } || [ -n "${RESUME:-}" ]; then
-  # concurrent shards under MPS, each with 1/SHARDS of the SMs; failures rerun alone
+if [ -n "${SHARDS:-}" ] || [ -n "${RESUME:-}" ]; then
+  # shard_pytest.py: a per-test summary.txt that RESUME can take; SHARDS=1 is one serial
+  # pytest (the fastest with forked worlds: about 3 s a test on one H200); SHARDS>1 runs
+  # concurrent shards under MPS, each with 1/SHARDS of the SMs, failures rerun alone, and
   # tests whose worlds wait at barriers or hold many ranks run alone after the shards
   SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
   $PY scripts/shard_pytest.py --shards "${SHARDS:-1}" --budget "${TEST_TIMEOUT:-420}" \
