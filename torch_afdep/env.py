@@ -108,6 +108,13 @@ _CONTROLS = (
              "token layout: a sender CTA's count block carries its token count only, not its "
              "per-expert counts (the token layout's receiver never reads them: E_local fewer "
              "stores over NVLink in front of every count signal); 0 = the full count block"),
+    _control("AFDEP_EARLY_LOADS", 13, 0,
+             "experimental, off by default: at small T each kernel issues its independent "
+             "global loads at its start so their latencies overlap (dispatch: the CTA's rows, "
+             "scales, expert ids and weights with the exchange number; receive: a row's "
+             "metadata words at once; reply: every row's data with its token index, without "
+             "waiting for the token counts; collect: the routes before the wait); 0 = each "
+             "load after the one it follows in the code"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -32,14 +32,18 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
+// slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
+// that source's token count; the count is loaded with the item's words and checked here.
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
-                            int warp, int src_idx) {
-  // both loads before the check: independent, so their latencies overlap (the check's early
+                            int warp, int src_idx, int slot = -1) {
+  // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
+  const int count = slot >= 0 ? a.num_tokens[ai] : 0;
+  if (slot >= 0 && slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
   if (tok < 0 || tok >= L.C) {
     if (lane == 0 && first) report_route(L.err, tok, 2);
     return;
@@ -108,11 +112,63 @@ __device__ void reply_token_rows(const Layout& L, const CombineArgs& a, char* co
   }
 }
 
+// FFN, CTA 0: if this rank's receive took nothing from Attention rank ai (its bucket
+// differed), tell ai, ahead of the CTA's completion signal (the fence in front covers it).
+__device__ __forceinline__ void report_mismatch(const Layout& L, const CombineArgs& a, int ai,
+                                                uint64_t n) {
+  const int sb = L.mismatch[ai];
+  if (sb == 0) return;
+  ReplyStatus* st = reinterpret_cast<ReplyStatus*>(peer_base(L, L.rank_of_attn[ai]) +
+                                                   L.off_reply_status) + L.my_index;
+  st->ffn_bucket = a.bucket;
+  st->sender_bucket = sb;
+  st->seq = n;
+}
+
+// reply_token_rows with F_EARLY_LOADS: each warp loads its chunk of the row together with the
+// row's token index (the row is the caller's, always readable), then stores it only if the
+// row holds a token, so the store waits for one load latency instead of two.
+__device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int nch, int cv,
+                                       int gw, int nw, int lane, int src_idx) {
+  constexpr int U = 4;  // vectors per lane loaded up front (a chunk of 128 vectors)
+  const int nv = L.H / 8;
+  const int nrows = L.A * a.rps;
+  const int4* rows = static_cast<const int4*>(a.rows);
+  for (int u = gw; u < nrows * nch; u += nw) {
+    const int h = u % nch, row = u / nch;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    const int4* src = rows + (size_t)row * nv;
+    const int tok = a.src_token[row];
+    int4 v[U];
+#pragma unroll
+    for (int q = 0; q < U; ++q)
+      if (v0 + lane + 32 * q < v1) v[q] = ld_nc_v4(src + v0 + lane + 32 * q);
+    if (tok < 0) continue;
+    if (tok >= L.C) {
+      if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
+      continue;
+    }
+    int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[row / a.rps]) + L.off_comb) +
+                ((size_t)src_idx * L.C + tok) * nv;
+#pragma unroll
+    for (int q = 0; q < U; ++q)
+      if (v0 + lane + 32 * q < v1) dst[v0 + lane + 32 * q] = v[q];
+    if (v0 + 32 * U < v1)
+      warp_copy16<false>(dst + v0 + 32 * U, src + v0 + 32 * U, v1 - v0 - 32 * U, lane);
+  }
+}
+
+// Chunks per row when every one of `units` rows (or slots) gets its own warps: about one
+// unit per warp, a chunk at least one 16-byte vector per lane.
+__device__ __forceinline__ int chunks_per_unit(int units, int warps, int nv) {
+  return max(1, min(max(nv / 32, 1), warps / max(units, 1)));
+}
+
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
 // FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
 __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
-                              int lane, uint64_t bad) {
-  const uint64_t mask = (uint64_t)a.route[t] & ~bad;
+                              int lane, uint64_t bad, uint64_t route) {
+  const uint64_t mask = route & ~bad;
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
@@ -174,21 +230,36 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   }
 
   if (a.do_send) {
-    if (a.real_send) {
+    // F_EARLY_LOADS with few rows (token layout) or receipt slots (expert layout): at least
+    // four warps for each, in one pass of the grid. The units are fixed by the bucket, so no
+    // warp waits for the token counts before loading its row (the counts only say which
+    // slots hold tokens); large buckets keep the path below, sized by the tokens received
+    const int units = a.tokens ? L.A * a.rps : L.A * a.bucket;
+    if (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw) {
+      const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
+      const int nch = chunks_per_unit(units, nw, nv);
+      const int cv = (nv + nch - 1) / nch;
+      if (a.tokens) {
+        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx);
+      } else {
+        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
+        __syncthreads();
+        for (int u = gw; u < units * nch; u += nw) {
+          const int h = u % nch, q = u / nch;
+          const int ai = q / a.bucket, v0 = h * cv, v1 = min(nv, v0 + cv);
+          if (v1 > v0)
+            reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
+                        q % a.bucket);
+        }
+      }
+      // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
+      for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x) report_mismatch(L, a, ai, n);
+    } else if (a.real_send) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       for (int ai = tid; ai < L.A; ai += blockDim.x) {
         s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
         s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
-        // This rank's receive took nothing from Attention rank ai (its bucket differed):
-        // tell ai, ahead of this CTA's completion signal (the fence below covers it).
-        const int sb = c == 0 ? L.mismatch[ai] : 0;
-        if (sb != 0) {
-          ReplyStatus* st = reinterpret_cast<ReplyStatus*>(
-              peer_base(L, L.rank_of_attn[ai]) + L.off_reply_status) + L.my_index;
-          st->ffn_bucket = a.bucket;
-          st->sender_bucket = sb;
-          st->seq = n;
-        }
+        if (c == 0) report_mismatch(L, a, ai, n);
       }
       __syncthreads();
       if (warp == 0) warp_exclusive_scan(s_tb, L.A, lane);
@@ -257,6 +328,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   }
 
   if (a.do_recv) {
+    // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
+    // dispatch kernel wrote it earlier in this stream), not after it
+    const int cnch = chunks_per_row(a.T, nw, nv);
+    const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < a.T * cnch;
+    const uint64_t route0 = pre_route ? (uint64_t)a.route[gw / cnch] : 0;
     if (rwo) {
       // every source's reply kernel ran G CTAs (S when the grid is not wide): n exchanges done
       // when its count reaches n * G; with sized grids its last CTA stores n
@@ -301,12 +377,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           report_route(L.err, __ldcg(&st->ffn_bucket), kRouteBucket, L.rank_of_ffn[f],
                        __ldcg(&st->sender_bucket));
       }
-      const int nch = chunks_per_row(a.T, nw, nv);
+      const int nch = cnch;
       const int cv = (nv + nch - 1) / nch;
       for (int u = gw; u < a.T * nch; u += nw) {
         const int h = u % nch, t = u / nch;
         const int v0 = h * cv, v1 = min(nv, v0 + cv);
-        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane, bad);
+        const uint64_t route = pre_route && u == gw ? route0 : (uint64_t)a.route[t];
+        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane, bad, route);
       }
     }
   }

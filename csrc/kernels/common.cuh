@@ -126,6 +126,14 @@ __device__ __forceinline__ int ld_cg_i32(const int* p) { return __ldcg(p); }
 
 __device__ __forceinline__ int4 ld_cg_v4(const int4* p) { return __ldcg(p); }
 
+// The same load, issued where it is written (volatile: never merged with a later, predicated
+// copy of it, which would make it wait for the predicate's own load; F_EARLY_LOADS).
+__device__ __forceinline__ int ld_cg_i32_now(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Copy nv 16-byte vectors with one warp; several loads in flight per lane.
 template <bool kSrcCg>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src,

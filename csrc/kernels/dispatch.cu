@@ -26,13 +26,17 @@ __device__ __forceinline__ bool lean_counts(const Layout& L) {
 // position of its expert within this CTA (s_ecnt), which the receiver turns into the row of
 // the expert-major layout without any atomics. Unless count_only, the slot's metadata is
 // written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
+// pre: e_pre / w_pre already hold this lane's id and weight (F_EARLY_LOADS: -1 / 0 past k).
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
-                            int c) {
+                            int c, bool pre, long long e_pre, float w_pre) {
   const int lane = threadIdx.x & 31;
   long long e = -1;
   float w = 0.f;
-  if (lane < L.k) {
+  if (pre) {
+    e = e_pre;
+    w = w_pre;
+  } else if (lane < L.k) {
     const size_t j = (size_t)t * L.k + lane;
     e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
                  : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
@@ -83,6 +87,79 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
       // the token layout keeps the source's columns: the entry's column instead of its
       // position within the expert
       meta[2 + 2 * L.R + r] = L.tokens ? lane : pos;
+    }
+  }
+}
+
+// F_EARLY_LOADS on the sender: what a CTA with few tokens loads at the kernel's start, so that
+// these loads, the exchange number's and each other's latencies overlap, instead of the claim
+// waiting for the ids and the copy then for the rows.
+constexpr int kPreVecs = 2;  // 16-byte row vectors per thread: 16 KB per CTA (2 rows at H4096)
+// a preloaded CTA never sends its counts ahead (the copy stage below relies on it)
+static_assert((int64_t)kPreVecs * kThreads * 16 < kEarlyMinBytes, "preloaded rows go ahead");
+
+struct Preload {
+  int4 v[kPreVecs];  // vector tid + j * kThreads of the CTA's rows [lo, hi), flattened
+  float s;           // scale tid of those rows (FP8)
+  long long e;       // this lane's expert id of the warp's first token (-1 past k)
+  float w;           // and its weight
+  bool ids;          // e / w hold the warp's first token (lo + warp < hi)
+  bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
+};
+
+__device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
+                                               Preload& p) {
+  p.ids = p.rows = false;
+  p.e = -1;
+  p.w = 0.f;
+  if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunk = (a.T + L.S - 1) / L.S;
+  const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
+  const int ntok = hi - lo, nv = L.row_bytes / 16;
+  if (ntok <= 0) return;
+  if (warp < ntok && lane < L.k) {
+    const size_t j = (size_t)(lo + warp) * L.k + lane;
+    p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
+                   : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
+    p.w = a.weights[j];
+  }
+  p.ids = warp < ntok;
+  p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
+  if (!p.rows) return;
+  const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
+                                                (size_t)lo * L.row_bytes);
+#pragma unroll
+  for (int j = 0; j < kPreVecs; ++j)
+    if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
+  if (L.scale_cols && tid < ntok * L.scale_cols)
+    p.s = a.x_scales[(size_t)lo * L.scale_cols + tid];
+}
+
+// Copy stage of a preloaded CTA: each thread stores its vectors (and scale) into every slot
+// its token claimed.
+__device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
+                               const int* s_slot, int src_idx, int c, const Preload& p) {
+  const int tid = threadIdx.x, nv = L.row_bytes / 16;
+#pragma unroll
+  for (int j = 0; j < kPreVecs; ++j) {
+    const int v = tid + j * kThreads;
+    if (v >= ntok * nv) continue;
+    const int i = v / nv, col = v % nv;
+    for (int fd = 0; fd < L.F; ++fd) {
+      const int slot = s_slot[i * L.F + fd];
+      if (slot < 0) continue;
+      const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
+      reinterpret_cast<int4*>(fb[fd] + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
+    }
+  }
+  if (L.scale_cols && tid < ntok * L.scale_cols) {
+    const int i = tid / L.scale_cols, q = tid % L.scale_cols;
+    for (int fd = 0; fd < L.F; ++fd) {
+      const int slot = s_slot[i * L.F + fd];
+      if (slot < 0) continue;
+      const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
+      reinterpret_cast<float*>(fb[fd] + L.off_scales)[gslot * L.scale_cols + q] = p.s;
     }
   }
 }
@@ -311,10 +388,17 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     const size_t item = (size_t)ai * a.bucket + s;
     int row = -1;
     float w = 0.f;
-    if (r < nloc) {
-      const int el = ld_cg_i32(meta + 2 + r);
-      const int pos = ld_cg_i32(meta + 2 + 2 * L.R + r);
+    int el = -1, pos = -1;
+    if (L.flags & F_EARLY_LOADS) {  // the entry's words with the header's, then masked
+      el = ld_cg_i32_now(meta + 2 + r);
+      pos = ld_cg_i32_now(meta + 2 + 2 * L.R + r);
+      w = __int_as_float(ld_cg_i32_now(meta + 2 + L.R + r));
+    } else if (r < nloc) {
+      el = ld_cg_i32(meta + 2 + r);
+      pos = ld_cg_i32(meta + 2 + 2 * L.R + r);
       w = __int_as_float(ld_cg_i32(meta + 2 + L.R + r));
+    }
+    if (r < nloc) {
       if (el >= 0 && el < El && pos >= 0) {
         row = s_off[el] + s_tab[g * El + el] + pos;
         if (row >= s_off[el + 1] || row >= rows_cap) row = -1;
@@ -428,7 +512,15 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
     int el = -1, col = -1;
     float w = 0.f;
-    if (lane < nloc) {
+    if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
+      if (lane < L.R) {
+        el = ld_cg_i32_now(meta + 2 + lane);
+        w = __int_as_float(ld_cg_i32_now(meta + 2 + L.R + lane));
+        col = ld_cg_i32_now(meta + 2 + 2 * L.R + lane);
+      }
+      if (lane >= nloc) el = -1;
+      if (el < 0 || el >= L.El) col = -1;
+    } else if (lane < nloc) {
       el = ld_cg_i32(meta + 2 + lane);
       w = __int_as_float(ld_cg_i32(meta + 2 + L.R + lane));
       col = ld_cg_i32(meta + 2 + 2 * L.R + lane);
@@ -485,6 +577,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
   // end) may take the SMs this grid leaves idle and wait there in pdl_wait
   pdl_launch_dependents(L);
+  Preload pre;
+  preload_sender(L, a, pre);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -521,7 +615,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     __syncthreads();
     if (count_first) {
       for (int t = lo + warp; t < hi; t += kWarps)
-        claim_token(L, a, s_fb, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c);
+        claim_token(L, a, s_fb, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c,
+                    pre.ids && t == lo + warp, pre.e, pre.w);
       __syncthreads();
       publish_counts(L, s_fb, n, true, s_cnt, s_ecnt, kAheadNone, send_bucket);
       // everyone spins until every rank's counts arrived
@@ -544,7 +639,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const bool fused = hi - lo >= kWarps && !stream;
     const int lane = tid & 31, nv = L.row_bytes / 16;
     for (int t = lo + warp; t < hi; t += kWarps) {
-      claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c);
+      claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
+                  pre.ids && t == lo + warp, pre.e, pre.w);
       if (!fused) continue;
       __syncwarp();
       for (int fd = 0; fd < L.F; ++fd) {
@@ -564,8 +660,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (row_flags) {
       copy_rows_flagged(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
-    } else if (!fused) {
-      copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
+    } else if (!fused) {  // (a preloaded CTA is never fused, streamed or ahead: too few bytes)
+      if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre);
+      else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
     trace_mark(L, kPhaseDispatch, n, kTrCopied, -1);

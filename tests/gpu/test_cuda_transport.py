@@ -30,7 +30,9 @@ SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
 PDL = {"AFDEP_PDL": "1"}  # experimental: programmatic dependent launch of the kernels
 ONE_FENCE = {"AFDEP_ONE_FENCE": "1"}  # experimental: one system fence per signal
+EARLY = {"AFDEP_EARLY_LOADS": "1"}  # experimental: independent loads at the kernels' start
 SMALL_T = {**SIZED, **PDL, **ONE_FENCE}  # the small-batch candidates together
+SMALL_T_EARLY = {**PDL, **ONE_FENCE, **EARLY}  # the candidates measured to gain, with EARLY
 
 # layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
 LAYOUTS = {name: (f, a, rank_devices(f + a), e) for name, (f, a, e) in {
@@ -112,10 +114,12 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
     ("AFDEP_TEST_REPLY_DELAY_MS", PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", ONE_FENCE),
-    ("AFDEP_TEST_REPLY_DELAY_MS", SMALL_T)],
+    ("AFDEP_TEST_REPLY_DELAY_MS", SMALL_T), ("AFDEP_TEST_REPLY_DELAY_MS", EARLY),
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-sized_grid", "dispatch-stream_expansion", "reply-pdl", "dispatch-pdl",
-         "reply-one_fence", "dispatch-one_fence", "reply-small_t"])
+         "reply-one_fence", "dispatch-one_fence", "reply-small_t", "reply-early_loads",
+         "dispatch-early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -204,15 +208,20 @@ def test_pdl_eager(layout, cap, hidden, dtype):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=PDL, seed=9)
 
 
+def graph_replays_1a1f(dtype, bucket, tokens, env, seed):
+    """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh inputs each."""
+    kw = cfg_kw("1A1F", bucket, 2048, dtype)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed,
+                          env={**BASE_ENV, **env}, timeout=600)
+    assert all(r == 100 for r in res)
+
+
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 128, 128),
                                                  ("float8_e4m3fn", 2048, 1180)],
                          ids=["bf16-T128", "fp8-T1180"])
 def test_pdl_graph_replays(dtype, bucket, tokens):
     """Programmatic edges inside captured graphs: 100 checked replays, fresh inputs each."""
-    kw = cfg_kw("1A1F", bucket, 2048, dtype)
-    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 8000,
-                             env={**BASE_ENV, **PDL}, timeout=600)
-    assert all(r == 100 for r in res)
+    graph_replays_1a1f(dtype, bucket, tokens, PDL, 8000)
 
 
 @pytest.mark.parametrize("env", [ONE_FENCE, SMALL_T], ids=["one_fence", "small_t"])
@@ -231,10 +240,28 @@ def test_one_fence_eager(layout, cap, hidden, dtype, env):
 def test_small_t_graph_replays(dtype, bucket, tokens):
     """The small-batch candidates together (sized grid: S CTAs below 32 tokens, PDL, one
     fence per signal) inside captured graphs: 100 checked replays, fresh inputs each."""
-    kw = cfg_kw("1A1F", bucket, 2048, dtype)
-    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 9000,
-                          env={**BASE_ENV, **SMALL_T}, timeout=600)
-    assert all(r == 100 for r in res)
+    graph_replays_1a1f(dtype, bucket, tokens, SMALL_T, 9000)
+
+
+@pytest.mark.parametrize("env", [EARLY, SMALL_T_EARLY], ids=["early_loads", "pdl_fence_early"])
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+                         + [("2A2F", 128, 4096, "bfloat16"), ("3A1F", 128, 2048, "float8_e4m3fn")])
+def test_early_loads_eager(layout, cap, hidden, dtype, env):
+    """AFDEP_EARLY_LOADS=1: preloaded sender rows (a CTA's tokens at T 1 and 7; the plan's
+    larger T take the ordinary copy), metadata loaded at once on the FFN, replies loaded with
+    their token index (expert layout: slots past a source's count skipped), routes loaded
+    before the collect's wait. Back-to-back exchanges of the plan (T 0 ... bucket) stay exact."""
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=13)
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 8, 1), ("bfloat16", 32, 7),
+                                                 ("float8_e4m3fn", 2048, 1180)],
+                         ids=["bf16-T1", "bf16-T7", "fp8-T1180"])
+def test_early_loads_graph_replays(dtype, bucket, tokens):
+    """AFDEP_EARLY_LOADS with PDL and one fence per signal inside captured graphs: 100 checked
+    replays, fresh inputs each (T 1 and 7 take the early paths, T 1,180 the ordinary ones)."""
+    graph_replays_1a1f(dtype, bucket, tokens, SMALL_T_EARLY, 9100)
 
 
 def test_flag_round_trip_probe():

@@ -46,10 +46,10 @@ def sc(kind, tokens, replays=8, id_dtype="int64"):
     return {"kind": kind, "tokens": list(tokens), "replays": replays, "id_dtype": id_dtype}
 
 
-def run(layout, cfg_kw, scenarios, seed, dup_mode="contract", timeout=600):
+def run(layout, cfg_kw, scenarios, seed, dup_mode="contract", timeout=600, env=None):
     F, A, devs = LAYOUTS[layout]
     return devices.spawn_gpu_world(hb.hostile_graph_body, F + A, cfg_kw, scenarios, seed, dup_mode,
-                       device_ids=devs, env=ENV, timeout=timeout)
+                       device_ids=devs, env={**ENV, **(env or {})}, timeout=timeout)
 
 
 def _att(stats):
@@ -81,8 +81,9 @@ SCEN_2A2F = [
 ]
 
 
+@pytest.mark.parametrize("env", [{}, {"AFDEP_EARLY_LOADS": "1"}], ids=["defaults", "early_loads"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
-def test_hostile_graph_replays(layout):
+def test_hostile_graph_replays(layout, env):
     """Out-of-range ids (>= E and < -1, up to +-2**40) in some entries of some tokens:
     check_error raises AfdepRouteError on the Attention rank after exactly the replays that
     had them (clean replays in between must not raise: the error does not stick), nothing on
@@ -92,7 +93,7 @@ def test_hostile_graph_replays(layout):
     output exactly zero, the FFN ranks receive nothing. 2A2F adds T = 0 on one or both
     Attention ranks."""
     scen = SCEN_1A1F if layout == "1A1F" else SCEN_2A2F
-    stats = run(layout, kw(layout), scen, seed=3)
+    stats = run(layout, kw(layout), scen, seed=3, env=env)
     for s in stats:
         assert s["checked"] == _replays(scen), s
     for s in _att(stats):

@@ -371,10 +371,10 @@ def test_token_layout_controls(layout, dtype_name):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_graphs(layout, dtype_name):
+def test_token_layout_graphs(layout, dtype_name, env=None):
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
-                                  timeout=240)
+                                  env=env, timeout=240)
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
@@ -388,6 +388,13 @@ def test_token_layout_graphs(layout, dtype_name):
     for o in ffn:  # zero-copy: one window, the same address eagerly and in every replay
         assert len(o["views"]) == 1, o["views"]
     assert routes >= a_n * (REPLAYS // 5) - a_n, routes  # every hostile replay reported
+
+
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("3A1F", "float8_e4m3fn")])
+def test_token_layout_graphs_early_loads(layout, dtype_name):
+    """test_token_layout_graphs with AFDEP_EARLY_LOADS=1 (the 3-token Attention rank of 3A1F
+    sends preloaded rows; every reply loads its rows with their token index)."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_EARLY_LOADS": "1"})
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

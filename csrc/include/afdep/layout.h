@@ -28,7 +28,9 @@ namespace afdep {
   X(ONE_FENCE, 11)          /* a signal is one system fence and a relaxed store (else the     \
                                fence and a release store: a second fence; experimental) */    \
   X(LEAN_COUNTS, 12)        /* token layout: count blocks carry the count only (no            \
-                               per-expert counts, which only the expert layout reads) */
+                               per-expert counts, which only the expert layout reads) */      \
+  X(EARLY_LOADS, 13)        /* small T: independent global loads issued together at the       \
+                               kernels' start (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
