@@ -239,10 +239,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       const int nch = chunks_per_unit(units, nw, nv);
       const int cv = (nv + nch - 1) / nch;
+      // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
+      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
       if (a.tokens) {
         reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx);
       } else {
-        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
         __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {
           const int h = u % nch, q = u / nch;
