@@ -82,13 +82,25 @@ def trace_devices(n_gpus: int, mps_running: bool) -> Optional[List[int]]:
     return None
 
 
+def timer_step(device, reads: int = 4096) -> Dict[str, int]:
+    """%globaltimer's resolution on ``device`` (the clock of every stage stamp): the smallest
+    step one thread saw it advance over ``reads`` back-to-back reads, the steps and their
+    span in ns."""
+    from torch_afdep import _cuda
+
+    out = torch.zeros(3, dtype=torch.int64, device=device)
+    _cuda.timer_step(out.data_ptr(), reads, torch.cuda.current_stream(device).cuda_stream)
+    step, steps, span = out.tolist()
+    return {"step_ns": step, "steps": steps, "span_ns": span, "reads": reads}
+
+
 def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch_afdep
 
     from torch_afdep import _cuda
 
     rk = arms._Rank(rank, world, spec)
-    out: Dict[str, Any] = {"rows": []}
+    out: Dict[str, Any] = {"rows": [], "globaltimer": timer_step(rk.device)}
     rl = spec.get("receive_layout", "experts")
     cfg = rk.config(spec["hidden"], spec["dtype"], rl)
     buf = torch_afdep.Buffer(None, cfg, device=rk.device)
@@ -233,6 +245,7 @@ def main(argv=None) -> int:
 
     out_dir = tempfile.mkdtemp(prefix="afdep-trace-")
     results: Dict[str, List[List[Dict[str, Any]]]] = {arm: [] for arm in args.arms}
+    timers: List[Dict[str, int]] = []  # %globaltimer's resolution, once per world
     for rep in range(args.repeats):
         for arm in args.arms:  # arms interleaved, one fresh world each
             spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1,
@@ -252,13 +265,18 @@ def main(argv=None) -> int:
                 return 1
             rows = res[0]["rows"] or res[1]["rows"]
             results[arm].append(rows)
+            timers.append(res[0]["globaltimer"])
             extra = f", {' '.join(args.afdep_env)}" if arm == "afdep" and args.afdep_env else ""
+            t = timers[-1]
+            print(f"%globaltimer: smallest step {t['step_ns']} ns ({t['steps']} steps over "
+                  f"{t['span_ns']} ns, {t['reads']} reads)")
             _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F {args.receive_layout} layout, "
                         f"GPUs {devices}, H{args.hidden} {args.dtype} "
                         f"{args.routing}, {args.sms} SMs, {args.replays} replays", rows)
     if args.out:
         names = common.nvidia_smi().get("names") or []
         common.write_json(args.out, {"args": vars(args), "results": results,
+                                     "globaltimer": timers,
                                      "machine": common.machine_name(names),
                                      "commit": common.git_commit(), "devices": devices,
                                      "env": dict(common.software(), vars=common.recorded_env())})

@@ -37,6 +37,16 @@ PYBIND11_MODULE(_cuda, m) {
     if (e != cudaSuccess)
       throw std::runtime_error(std::string("torch_afdep CUDA: stamp: ") + cudaGetErrorString(e));
   });
+  // Diagnostics: %globaltimer's resolution, by one thread reading it `reads` times; writes
+  // three uint64 to the device address `out`: smallest step (ns), steps seen, span (ns).
+  m.def("timer_step", [](uint64_t out, int reads, uint64_t stream) {
+    if (reads < 1) throw std::invalid_argument("timer_step: reads must be >= 1");
+    const cudaError_t e = afdep::launch_timer_step(reinterpret_cast<uint64_t*>(out), reads,
+                                                   reinterpret_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("torch_afdep CUDA: timer_step: ") +
+                               cudaGetErrorString(e));
+  });
   m.def("runtime_version", []() {
     int v = 0;
     cudaRuntimeGetVersion(&v);

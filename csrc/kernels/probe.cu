@@ -1,6 +1,7 @@
 // Probes: a flag ping-pong between two ranks' windows, the latency term of the benchmarks'
-// data-movement floor (one thread per side; nothing else runs in it), and a one-thread
-// %globaltimer stamp that benchmarks.trace puts on the stream around a graph replay.
+// data-movement floor (one thread per side; nothing else runs in it), a one-thread
+// %globaltimer stamp that benchmarks.trace puts on the stream around a graph replay, and the
+// timer's resolution.
 #include "afdep/launch.h"
 #include "common.cuh"
 
@@ -24,10 +25,34 @@ __global__ void ping_kernel(Layout L, int peer, int iters, uint64_t base, int in
 
 __global__ void stamp_kernel(uint64_t* out) { *out = global_timer_ns(); }
 
+// One thread reads %globaltimer `reads` times back to back: out[0] = the smallest step it saw
+// advance (its resolution: the trace's sub-stages are quantized to it), out[1] = how many
+// times it advanced, out[2] = the time the reads spanned (ns).
+__global__ void timer_step_kernel(uint64_t* out, int reads) {
+  const uint64_t t0 = global_timer_ns();
+  uint64_t prev = t0, step = ~0ull, changes = 0;
+  for (int i = 0; i < reads; ++i) {
+    const uint64_t t = global_timer_ns();
+    if (t != prev) {
+      step = t - prev < step ? t - prev : step;
+      ++changes;
+      prev = t;
+    }
+  }
+  out[0] = changes ? step : 0;
+  out[1] = changes;
+  out[2] = prev - t0;
+}
+
 }  // namespace
 
 cudaError_t launch_stamp(uint64_t* out, cudaStream_t stream) {
   stamp_kernel<<<1, 1, 0, stream>>>(out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_timer_step(uint64_t* out, int reads, cudaStream_t stream) {
+  timer_step_kernel<<<1, 1, 0, stream>>>(out, reads);
   return cudaGetLastError();
 }
 

@@ -288,6 +288,16 @@ def test_stamp_kernel_runs_in_stream_order():
     assert t0 > 0 and 100_000 < t1 - t0 < 100_000_000, (t0, t1)
 
 
+def test_globaltimer_step_is_measured():
+    """benchmarks.trace's clock check: one thread sees %globaltimer advance in steps of at most
+    a microsecond and spans a plausible time for 4,096 reads."""
+    from benchmarks import trace
+
+    t = trace.timer_step(torch.device("cuda:0"))
+    assert t["steps"] > 0 and 0 < t["step_ns"] <= 1000, t
+    assert 0 < t["span_ns"] < 10_000_000, t
+
+
 def test_route_errors_reported_and_skipped():
     kw = cfg_kw("1A1F", 128, 2048)
     stats = run("1A1F", kw, [(128, [7], "random"), (128, [128], "partial")], bad_ids=True)
@@ -403,8 +413,10 @@ def test_trace_stages_are_ordered(tmp_path):
     out = tmp_path / "trace.json"
     assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",
                        "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]["afdep"][0]
+    data = json.loads(out.read_text())
+    rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128]
+    assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:
         s = r["stages_us"]
         parts = [s["  A CTA0: start -> tokens claimed"], s["  A CTA0: claimed -> payload written"],

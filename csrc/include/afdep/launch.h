@@ -19,5 +19,7 @@ cudaError_t launch_ping(const Layout& L, int peer, int iters, uint64_t base, int
                         cudaStream_t stream);
 // One thread writes %globaltimer (ns, the clock of the kernels' trace stamps) to *out.
 cudaError_t launch_stamp(uint64_t* out, cudaStream_t stream);
+// One thread reads %globaltimer `reads` times: out[0..2] = smallest step (ns), steps, span (ns).
+cudaError_t launch_timer_step(uint64_t* out, int reads, cudaStream_t stream);
 
 }  // namespace afdep
