@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -76,6 +77,14 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
     for k in [k for k in os.environ if k not in env]:
         del os.environ[k]
     os.environ.update(env)
+    # ranks share the caller's stdout and stderr: one write per line, so the lines of ranks
+    # printing at once never interleave mid-line (with PYTHONUNBUFFERED a print writes its
+    # text and its newline separately)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, ValueError, OSError):  # replaced or closed streams
+            pass
     if os.environ.get("AFDEP_WORLD_STACKS_S"):  # diagnostics: where a hung rank is stuck
         import faulthandler
 

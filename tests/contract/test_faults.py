@@ -169,6 +169,29 @@ def test_world_stack_dump_names_where_a_rank_waits(capfd, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_printing_at_once_never_split_a_line(method):
+    """Ranks share the caller's stdout: under PYTHONUNBUFFERED (a print is then two writes,
+    its text and its newline) four ranks printing 300 lines each at once still give whole
+    lines (CI once saw one rank's line end inside another's)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = ("from torch_afdep.testing import spawn_world\n"
+            "from tests.helpers import lifecycle_bodies as fb\n"
+            "assert spawn_world(fb.printing_body, 4, 300) == [300] * 4\n")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", AFDEP_WORLD_START=method)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("rank ") or "line" in ln]
+    bad = [ln for ln in lines if not re.fullmatch(r"rank [0-3] line \d+ x{80}", ln)]
+    assert not bad and len(lines) == 1200, (len(lines), bad[:3])
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_world_ranks_see_the_callers_environment_of_the_moment(monkeypatch, method):
     """Forked CPU ranks (the default) and spawned ones alike see the environment the caller
     has when it calls spawn_world, plus ``env``: a variable set after the fork server

@@ -693,3 +693,10 @@ def sleeping_body(rank, ws, seconds):
     """Sleeps past AFDEP_WORLD_STACKS_S, so the rank's stack dump fires."""
     time.sleep(seconds)
     return rank
+
+
+def printing_body(rank, ws, lines):
+    """Prints ``lines`` lines of about 100 characters, as ranks of the examples do."""
+    for i in range(lines):
+        print(f"rank {rank} line {i} " + "x" * 80)
+    return lines
