@@ -289,12 +289,13 @@ def test_stamp_kernel_runs_in_stream_order():
 
 
 def test_globaltimer_step_is_measured():
-    """benchmarks.trace's clock check: one thread sees %globaltimer advance in steps of at most
-    a microsecond and spans a plausible time for 4,096 reads."""
+    """benchmarks.trace's clock check: one thread sees %globaltimer advance (in steps of at
+    most 2 µs, or the trace's sub-microsecond stages mean nothing) over 4,096 reads in a
+    plausible time."""
     from benchmarks import trace
 
     t = trace.timer_step(torch.device("cuda:0"))
-    assert t["steps"] > 0 and 0 < t["step_ns"] <= 1000, t
+    assert t["steps"] > 0 and 0 < t["step_ns"] <= 2000, t
     assert 0 < t["span_ns"] < 10_000_000, t
 
 
