@@ -3,10 +3,12 @@
     python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR [--serial-k EXPR] \
         [--resume SUMMARY] -- <pytest args>
 
-Every GPU test spawns its own world; most of a test's time is process start-up and CUDA
-initialisation, so shards that run side by side finish the suite in about 1/N of the time.
-Each shard runs with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N`` (under the MPS daemon the
-GPU's reported SM count shrinks with it, and the transport sizes its local grids from that),
+Every GPU test starts its own world. With forked worlds (about 3 s a test on one H200) one
+shard is the fastest: three concurrent shards ran slower (34 tests in 200 s). With one shard
+every test runs in it, with the whole budget, and the summary is what ``--resume`` takes.
+With N > 1 each shard runs with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N`` (under the MPS
+daemon the GPU's reported SM count shrinks with it, and the transport sizes its local grids
+from that),
 so the spinning receivers of the concurrent worlds leave each other SMs. Worlds whose kernels
 wait at barriers (the symmetric protocol, reverted directional controls) need all their CTAs
 resident at once and starve beside other worlds (one H200, 4 shards: 16 timeouts): the tests
@@ -14,8 +16,9 @@ that ``--serial-k`` selects run alone, after the shards. A test that fails in a 
 again alone, without the limit; only a test that fails alone counts as failed (its shard log
 and its lone log are both kept). ``--resume`` takes an earlier run's summary.txt and leaves
 out the tests that passed or skipped there (a suite longer than one device call, finished
-over several calls at one commit; the new summary counts them as passed earlier). Writes ``DIR/shard<i>.log``,
-``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test passed or skipped.
+over several calls at one commit; the new summary counts them as passed earlier). Writes
+``DIR/shard<i>.log``, ``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test
+passed or skipped.
 """
 
 from __future__ import annotations
@@ -111,8 +114,11 @@ def main(argv=None):
                     done[node] = word
     earlier = {t: done[t] for t in ids if t in done}
     ids = [t for t in ids if t not in earlier]
-    serial = set(collect(args + ["-k", a.serial_k])) if a.serial_k else set()
-    got = run_shards([t for t in ids if t not in serial], a.shards, a.out, a.budget * 0.5)
+    # one shard runs alone anyway: no lone phase, and the whole budget for it
+    serial = (set(collect(args + ["-k", a.serial_k])) if a.serial_k and a.shards > 1
+              else set())
+    got = run_shards([t for t in ids if t not in serial], a.shards, a.out,
+                     a.budget * (0.5 if a.shards > 1 else 1.0))
     bad = [t for t in ids if got.get(t) in ("FAILED", "ERROR")]
     retried = {}
     alone = [t for t in ids if t in serial] + bad
