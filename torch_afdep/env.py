@@ -94,27 +94,26 @@ _CONTROLS = (
              "lands (slot-major), overlapping the expansion with the transfer at large T; "
              "needs AFDEP_EARLY_COUNTS and the four directional controls; 0 = one payload "
              "flag per channel, and large-T channels send counts last"),
-    _control("AFDEP_PDL", 10, 0,
-             "experimental, off by default (2 x H200: no gain at T = 1): the dispatch and "
-             "combine kernels launch with programmatic dependent launch, so each may be "
-             "scheduled while the previous kernel of its stream drains and waits "
+    _control("AFDEP_PDL", 10, 1,
+             "the dispatch and combine kernels launch with programmatic dependent launch, so "
+             "each may be scheduled while the previous kernel of its stream drains and waits "
              "(griddepcontrol.wait) before touching anything; 0 = ordinary launches"),
-    _control("AFDEP_ONE_FENCE", 11, 0,
-             "experimental, off by default: every signal a kernel writes to a peer (counts "
-             "ready, payload flags, reply done) is one system-scope fence followed by a "
-             "relaxed store or add, the fence ordering the CTA's data before it; 0 = the fence "
-             "followed by a release store or add (the release is a second system fence)"),
+    _control("AFDEP_ONE_FENCE", 11, 1,
+             "every signal a kernel writes to a peer (counts ready, payload flags, reply "
+             "done) is one system-scope fence followed by a relaxed store or add, the fence "
+             "ordering the CTA's data before it; 0 = the fence followed by a release store or "
+             "add (the release is a second system fence)"),
     _control("AFDEP_LEAN_COUNTS", 12, 1,
              "token layout: a sender CTA's count block carries its token count only, not its "
              "per-expert counts (the token layout's receiver never reads them: E_local fewer "
              "stores over NVLink in front of every count signal); 0 = the full count block"),
-    _control("AFDEP_EARLY_LOADS", 13, 0,
-             "experimental, off by default: at small T each kernel issues its independent "
-             "global loads at its start so their latencies overlap (dispatch: the CTA's rows, "
-             "scales, expert ids and weights with the exchange number; receive: a row's "
-             "metadata words at once; reply: every row's data with its token index, without "
-             "waiting for the token counts; collect: the routes before the wait); 0 = each "
-             "load after the one it follows in the code"),
+    _control("AFDEP_EARLY_LOADS", 13, 1,
+             "at small T each kernel issues its independent global loads at its start so "
+             "their latencies overlap (dispatch: the CTA's rows, scales, expert ids and "
+             "weights with the exchange number; receive: a row's metadata words at once; "
+             "reply: every row's data with its token index, without waiting for the token "
+             "counts; collect: the routes before the wait); 0 = each load after the one it "
+             "follows in the code"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

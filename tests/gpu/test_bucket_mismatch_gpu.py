@@ -57,7 +57,7 @@ CASES = {
     "stream_expansion": ({}, dict(capacity_tokens_per_rank=128, hidden_size=1024, num_sms=1),
                          [(64, 128, 128), (64, 64, 128), (64, 128, 128)]),
     "sized_grid": ({"AFDEP_SIZED_GRID": "1"}, {}, EXCHANGES),
-    "pdl": ({"AFDEP_PDL": "1"}, {}, EXCHANGES),
+    "no_pdl": ({"AFDEP_PDL": "0"}, {}, EXCHANGES),
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

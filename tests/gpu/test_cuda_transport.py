@@ -28,11 +28,12 @@ BASE_ENV = devices.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
-PDL = {"AFDEP_PDL": "1"}  # experimental: programmatic dependent launch of the kernels
-ONE_FENCE = {"AFDEP_ONE_FENCE": "1"}  # experimental: one system fence per signal
-EARLY = {"AFDEP_EARLY_LOADS": "1"}  # experimental: independent loads at the kernels' start
-SMALL_T = {**SIZED, **PDL, **ONE_FENCE}  # the small-batch candidates together
-SMALL_T_EARLY = {**PDL, **ONE_FENCE, **EARLY}  # the candidates measured to gain, with EARLY
+# the small-batch changes (default 1) reverted: ordinary launches, a release flag after the
+# fence, each load after the one it follows; PREVIOUS reverts the three (the defaults before)
+NO_PDL = {"AFDEP_PDL": "0"}
+NO_ONE_FENCE = {"AFDEP_ONE_FENCE": "0"}
+NO_EARLY = {"AFDEP_EARLY_LOADS": "0"}
+PREVIOUS = {**NO_PDL, **NO_ONE_FENCE, **NO_EARLY}
 
 # layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
 LAYOUTS = {name: (f, a, rank_devices(f + a), e) for name, (f, a, e) in {
@@ -112,14 +113,14 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
     ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
-    ("AFDEP_TEST_REPLY_DELAY_MS", PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", PDL),
-    ("AFDEP_TEST_REPLY_DELAY_MS", ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", ONE_FENCE),
-    ("AFDEP_TEST_REPLY_DELAY_MS", SMALL_T), ("AFDEP_TEST_REPLY_DELAY_MS", EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", EARLY)],
+    ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
+    ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
+    ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
-         "reply-sized_grid", "dispatch-stream_expansion", "reply-pdl", "dispatch-pdl",
-         "reply-one_fence", "dispatch-one_fence", "reply-small_t", "reply-early_loads",
-         "dispatch-early_loads"])
+         "reply-sized_grid", "dispatch-stream_expansion", "reply-no_pdl", "dispatch-no_pdl",
+         "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
+         "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -142,7 +143,7 @@ def test_zero_copy_collect(env):
 
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
-          "AFDEP_EARLY_COUNTS"]
+          "AFDEP_EARLY_COUNTS", "AFDEP_PDL", "AFDEP_ONE_FENCE", "AFDEP_EARLY_LOADS"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
 # test_stream_expansion_eager reverts it at T = 2048
 
@@ -200,12 +201,11 @@ def test_stream_expansion_graph_replays(dtype):
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 128, 4096, "bfloat16")])
-def test_pdl_eager(layout, cap, hidden, dtype):
-    """AFDEP_PDL=1: each kernel may be scheduled while the previous one drains and waits in
-    griddepcontrol.wait; the dispatch lets the combine's CTAs onto idle SMs at its start.
-    Back-to-back exchanges of the plan (T 0 ... bucket) must stay exact."""
+def test_pdl_reverted_eager(layout, cap, hidden, dtype):
+    """AFDEP_PDL=0: ordinary launches (the default, programmatic dependent launch, runs in
+    every other test). Back-to-back exchanges of the plan (T 0 ... bucket) must stay exact."""
     kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=PDL, seed=9)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=NO_PDL, seed=9)
 
 
 def graph_replays_1a1f(dtype, bucket, tokens, env, seed):
@@ -219,17 +219,20 @@ def graph_replays_1a1f(dtype, bucket, tokens, env, seed):
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 128, 128),
                                                  ("float8_e4m3fn", 2048, 1180)],
                          ids=["bf16-T128", "fp8-T1180"])
-def test_pdl_graph_replays(dtype, bucket, tokens):
-    """Programmatic edges inside captured graphs: 100 checked replays, fresh inputs each."""
-    graph_replays_1a1f(dtype, bucket, tokens, PDL, 8000)
+def test_pdl_reverted_graph_replays(dtype, bucket, tokens):
+    """AFDEP_PDL=0 (no programmatic edges) inside captured graphs: 100 checked replays, fresh
+    inputs each (the default's programmatic edges: test_cuda_graph_replays and the others)."""
+    graph_replays_1a1f(dtype, bucket, tokens, NO_PDL, 8000)
 
 
-@pytest.mark.parametrize("env", [ONE_FENCE, SMALL_T], ids=["one_fence", "small_t"])
+@pytest.mark.parametrize("env", [NO_ONE_FENCE, {**SIZED, **NO_ONE_FENCE}],
+                         ids=["reverted", "reverted+sized"])
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 128, 4096, "bfloat16")])
-def test_one_fence_eager(layout, cap, hidden, dtype, env):
-    """AFDEP_ONE_FENCE=1 (a signal is one system fence and a relaxed flag), alone and with the
-    sized grid and PDL: back-to-back exchanges of the plan (T 0 ... bucket) stay exact."""
+def test_one_fence_reverted_eager(layout, cap, hidden, dtype, env):
+    """AFDEP_ONE_FENCE=0 (a release flag after the fence: two system fences per signal), alone
+    and with the sized grid (whose last reply CTA stores every done flag): back-to-back
+    exchanges of the plan (T 0 ... bucket) stay exact."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=11)
 
@@ -237,20 +240,22 @@ def test_one_fence_eager(layout, cap, hidden, dtype, env):
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 8, 1), ("bfloat16", 128, 128),
                                                  ("float8_e4m3fn", 2048, 1180)],
                          ids=["bf16-T1", "bf16-T128", "fp8-T1180"])
-def test_small_t_graph_replays(dtype, bucket, tokens):
-    """The small-batch candidates together (sized grid: S CTAs below 32 tokens, PDL, one
-    fence per signal) inside captured graphs: 100 checked replays, fresh inputs each."""
-    graph_replays_1a1f(dtype, bucket, tokens, SMALL_T, 9000)
+def test_sized_defaults_graph_replays(dtype, bucket, tokens):
+    """The sized grid (S CTAs below 32 tokens) with the defaults (PDL, one fence per signal,
+    early loads: the early reply path with S CTAs) inside captured graphs: 100 checked
+    replays, fresh inputs each."""
+    graph_replays_1a1f(dtype, bucket, tokens, SIZED, 9000)
 
 
-@pytest.mark.parametrize("env", [EARLY, SMALL_T_EARLY], ids=["early_loads", "pdl_fence_early"])
+@pytest.mark.parametrize("env", [NO_EARLY, PREVIOUS], ids=["reverted", "previous_defaults"])
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 128, 4096, "bfloat16"), ("3A1F", 128, 2048, "float8_e4m3fn")])
-def test_early_loads_eager(layout, cap, hidden, dtype, env):
-    """AFDEP_EARLY_LOADS=1: preloaded sender rows (a CTA's tokens at T 1 and 7; the plan's
-    larger T take the ordinary copy), metadata loaded at once on the FFN, replies loaded with
-    their token index (expert layout: slots past a source's count skipped), routes loaded
-    before the collect's wait. Back-to-back exchanges of the plan (T 0 ... bucket) stay exact."""
+def test_early_loads_reverted_eager(layout, cap, hidden, dtype, env):
+    """AFDEP_EARLY_LOADS=0 (each load after the one it follows: ids in the claim, rows after
+    it; header then entries; counts, then rows; route after the wait), alone and with PDL and
+    one fence reverted too (the defaults before the small-batch changes). The default's
+    preloaded rows, metadata loaded at once and early replies run in every other test.
+    Back-to-back exchanges of the plan (T 0 ... bucket) stay exact."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=13)
 
@@ -258,10 +263,10 @@ def test_early_loads_eager(layout, cap, hidden, dtype, env):
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 8, 1), ("bfloat16", 32, 7),
                                                  ("float8_e4m3fn", 2048, 1180)],
                          ids=["bf16-T1", "bf16-T7", "fp8-T1180"])
-def test_early_loads_graph_replays(dtype, bucket, tokens):
-    """AFDEP_EARLY_LOADS with PDL and one fence per signal inside captured graphs: 100 checked
-    replays, fresh inputs each (T 1 and 7 take the early paths, T 1,180 the ordinary ones)."""
-    graph_replays_1a1f(dtype, bucket, tokens, SMALL_T_EARLY, 9100)
+def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
+    """AFDEP_EARLY_LOADS=0 inside captured graphs: 100 checked replays, fresh inputs each (the
+    default's early paths at T 1 and 7: test_cuda_graph_replays and the others)."""
+    graph_replays_1a1f(dtype, bucket, tokens, NO_EARLY, 9100)
 
 
 def test_flag_round_trip_probe():

@@ -81,7 +81,11 @@ SCEN_2A2F = [
 ]
 
 
-@pytest.mark.parametrize("env", [{}, {"AFDEP_EARLY_LOADS": "1"}], ids=["defaults", "early_loads"])
+# the defaults, and the three small-batch controls reverted (the defaults before them)
+PREVIOUS = {"AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0"}
+
+
+@pytest.mark.parametrize("env", [{}, PREVIOUS], ids=["defaults", "previous_defaults"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_hostile_graph_replays(layout, env):
     """Out-of-range ids (>= E and < -1, up to +-2**40) in some entries of some tokens:

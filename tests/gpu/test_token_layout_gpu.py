@@ -391,10 +391,12 @@ def test_token_layout_graphs(layout, dtype_name, env=None):
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("3A1F", "float8_e4m3fn")])
-def test_token_layout_graphs_early_loads(layout, dtype_name):
-    """test_token_layout_graphs with AFDEP_EARLY_LOADS=1 (the 3-token Attention rank of 3A1F
-    sends preloaded rows; every reply loads its rows with their token index)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_EARLY_LOADS": "1"})
+def test_token_layout_graphs_previous_defaults(layout, dtype_name):
+    """test_token_layout_graphs (whose defaults preload the 3-token Attention rank's rows in
+    3A1F and load every reply row with its token index) with the three small-batch controls
+    reverted: AFDEP_PDL, AFDEP_ONE_FENCE and AFDEP_EARLY_LOADS at 0."""
+    test_token_layout_graphs(layout, dtype_name, env={
+        "AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0"})
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
