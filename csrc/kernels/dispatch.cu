@@ -575,8 +575,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
-  // end) may take the SMs this grid leaves idle and wait there in pdl_wait
-  pdl_launch_dependents(L);
+  // end) may take the SMs this grid leaves idle and wait there in pdl_wait. Not when every
+  // rank waits for every other inside this kernel: on a GPU that ranks share, those parked
+  // CTAs could keep another rank's dispatch off the SMs it needs to finish (2A2F and 3A1F on
+  // one H200 under MPS timed out); the combine then launches as this grid ends.
+  if ((L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;
   preload_sender(L, a, pre);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;

@@ -49,10 +49,13 @@ constexpr int kMaxFfn = 64;     // FFN ranks per group (the route is a 64-bit ma
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
 // i.e. when crossing NVLink takes longer than the receiver's offset computation.
 constexpr int64_t kEarlyMinBytes = 32 * 1024;
+// The directional protocol: with any of these reverted, every rank waits for every other
+// rank inside each phase.
+constexpr uint32_t kDirectional = F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS | F_RECEIVER_WAIT_ONLY |
+                                  F_ROLE_WARPS;
 // Wide grids need the directional protocol (the barriers and dummy stages of the reverted
 // controls are per channel, i.e. S CTAs on every rank).
-constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
-                                F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
+constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | kDirectional;
 constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
 // Sized grids: a local kernel runs its wide grid from this many tokens (FFN: A x bucket,
 // Attention: T) and S CTAs below (2 x H200: S was faster at T <= 8, wide from T = 128).
@@ -61,8 +64,7 @@ constexpr int kWideMinTokens = 32;
 // fused or one-flag paths stay (2 x H200, H4096 BF16: 22 tokens per CTA were 4% slower with
 // row flags, 86 tokens 9% faster).
 constexpr int kStreamMinTokens = 48;
-constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS |
-                                 F_RECEIVER_WAIT_ONLY | F_ROLE_WARPS;
+constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | kDirectional;
 constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
