@@ -40,34 +40,40 @@ from torch_afdep import mps
  TABLE) = range(12)
 D, C = 0, 1  # phases
 
-#: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns, crosses GPUs)
+def _gap(a, i: int, b, j: int) -> Optional[int]:
+    """a[i] - b[j] in ns; None when either point was never stamped (0: e.g. the count table
+    point, which only the expert layout's receive stamps)."""
+    return a[i] - b[j] if a[i] and b[j] else None
+
+
+#: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns or None, crosses GPUs)
 STAGES = [
-    ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: da[MAX_SENT] - da[START], False),
+    ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: _gap(da, MAX_SENT, da, START), False),
     # CTA 0's steps (at small T the CTA that holds the tokens): claim, payload copy, signal
-    ("  A CTA0: start -> tokens claimed", lambda da, ca, df, cf: da[CLAIMED] - da[START], False),
-    ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: da[COPIED] - da[CLAIMED], False),
+    ("  A CTA0: start -> tokens claimed", lambda da, ca, df, cf: _gap(da, CLAIMED, da, START), False),
+    ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
-     lambda da, ca, df, cf: da[SENT] - da[COPIED], False),
-    ("A dispatch kernel (start -> last CTA end)", lambda da, ca, df, cf: da[MAX_END] - da[START], False),
-    ("A gap: dispatch end -> combine start", lambda da, ca, df, cf: ca[START] - da[MAX_END], False),
-    ("x F receive started before A dispatch", lambda da, ca, df, cf: da[START] - df[START], True),
-    ("x A last sent -> F CTA0 counts seen", lambda da, ca, df, cf: df[WAITED] - da[MAX_SENT], True),
-    ("F counts seen -> offsets ready", lambda da, ca, df, cf: df[READY] - df[WAITED], False),
+     lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),
+    ("A dispatch kernel (start -> last CTA end)", lambda da, ca, df, cf: _gap(da, MAX_END, da, START), False),
+    ("A gap: dispatch end -> combine start", lambda da, ca, df, cf: _gap(ca, START, da, MAX_END), False),
+    ("x F receive started before A dispatch", lambda da, ca, df, cf: _gap(da, START, df, START), True),
+    ("x A last sent -> F CTA0 counts seen", lambda da, ca, df, cf: _gap(df, WAITED, da, MAX_SENT), True),
+    ("F counts seen -> offsets ready", lambda da, ca, df, cf: _gap(df, READY, df, WAITED), False),
     ("  F CTA0: counts seen -> count table loaded",
-     lambda da, ca, df, cf: df[TABLE] - df[WAITED], False),
-    ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: df[MAX_END] - df[READY], False),
-    ("F gap: receive end -> reply start", lambda da, ca, df, cf: cf[START] - df[MAX_END], False),
-    ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: cf[MAX_SENT] - cf[START], False),
+     lambda da, ca, df, cf: _gap(df, TABLE, df, WAITED), False),
+    ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: _gap(df, MAX_END, df, READY), False),
+    ("F gap: receive end -> reply start", lambda da, ca, df, cf: _gap(cf, START, df, MAX_END), False),
+    ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: _gap(cf, MAX_SENT, cf, START), False),
     ("  F CTA0: start -> reduced rows written",
-     lambda da, ca, df, cf: cf[WRITTEN] - cf[START], False),
-    ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: ca[WAITED] - cf[MAX_SENT], True),
-    ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: ca[MAX_END] - ca[WAITED], False),
-    ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: ca[MAX_END] - da[START], False),
+     lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, START), False),
+    ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: _gap(ca, WAITED, cf, MAX_SENT), True),
+    ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: _gap(ca, MAX_END, ca, WAITED), False),
+    ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),
 ]
 #: stages of the Attention stream's stamps st = (after the start event, before the end event)
 STAMP_STAGES = [
-    ("A stream: start stamp -> dispatch start", lambda st, da, ca: da[START] - st[0]),
-    ("A stream: combine end -> end stamp", lambda st, da, ca: st[1] - ca[MAX_END]),
+    ("A stream: start stamp -> dispatch start", lambda st, da, ca: _gap(da, START, st, 0)),
+    ("A stream: combine end -> end stamp", lambda st, da, ca: _gap(st, 1, ca, MAX_END)),
 ]
 OUTSIDE = "A event latency - kernels total"
 
@@ -179,10 +185,14 @@ def summarize(T: int, got, lat: List[float], replays: int,
         da, ca = att[1][n % ring][D], att[1][n % ring][C]
         df, cf = ffn[1][n % ring][D], ffn[1][n % ring][C]
         for name, fn, _ in STAGES:
-            per[name].append(fn(da, ca, df, cf) / 1000.0)
+            v = fn(da, ca, df, cf)
+            if v is not None:
+                per[name].append(v / 1000.0)
         if st is not None:
             for name, fn in STAMP_STAGES:
-                per[name].append(fn(st[j], da, ca) / 1000.0)
+                v = fn(st[j], da, ca)
+                if v is not None:
+                    per[name].append(v / 1000.0)
         per[OUTSIDE].append(lat[j] - (ca[MAX_END] - da[START]) / 1000.0)
     return {"tokens": T, "latency_us": statistics.median(lat) if lat else None,
             "latency_spread_us": _spread(lat) if lat else None,
