@@ -1,7 +1,8 @@
 """CUDA graphs through the public API (Buffer, afd_*, AfdMoE, the vLLM connector): a whole
 two-micro-batch layer step in one graph per rank; a graph destroyed and recaptured (with a
 different T) on one open buffer; AfdMoE eager, compiled (fullgraph, inductor) and with a
-two-micro-batch step captured; the connector's ping-pong over layers captured on both roles.
+two-micro-batch step captured, and the connector's ping-pong over layers captured on both
+roles, each in both receive layouts (expert-major rows; one row per token).
 Every replay gets fresh inputs and is checked against the fp64 reference.
 
 Skipped cleanly without a CUDA GPU or without the built extension; rank r runs on GPU
@@ -53,19 +54,27 @@ def test_cuda_graph_destroyed_and_recaptured():
     assert res == [60, 60]
 
 
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_afd_moe_eager_compiled_and_graph_1a1f(dtype):
-    res = spawn_gpu_world(gb.moe_body, 2, 1, 1, 64, [64, 17], 10, dtype, timeout=600)
+def test_afd_moe_eager_compiled_and_graph_1a1f(dtype, receive_layout):
+    res = spawn_gpu_world(gb.moe_body, 2, 1, 1, 64, [64, 17], 10, dtype, receive_layout,
+                          timeout=600)
     ffn, attn = res
     assert ffn["method"] == "grouped"  # bf16 grouped GEMM on sm90
+    assert ffn["layout"] == attn["layout"] == receive_layout
     assert len(attn["errors"]) == 1 + 2 + 2 + 2 * 10
 
 
-def test_afd_moe_2a2f_graph():
-    res = spawn_gpu_world(gb.moe_body, 4, 2, 2, 32, [32, 5], 5, timeout=600)
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_afd_moe_2a2f_graph(receive_layout):
+    res = spawn_gpu_world(gb.moe_body, 4, 2, 2, 32, [32, 5], 5, "bfloat16", receive_layout,
+                          timeout=600)
+    assert all(r["layout"] == receive_layout for r in res)
     assert all(len(r["errors"]) == 1 + 2 + 2 + 2 * 5 for r in res if r["role"] == "attention")
 
 
-def test_vllm_connector_in_cuda_graphs_1a1f():
-    res = spawn_gpu_world(gb.connector_body, 2, 1, 1, 3, [48, 16], 10, timeout=600)
+@pytest.mark.parametrize("receive_layout", ["experts", "tokens"])
+def test_vllm_connector_in_cuda_graphs_1a1f(receive_layout):
+    res = spawn_gpu_world(gb.connector_body, 2, 1, 1, 3, [48, 16], 10, receive_layout,
+                          timeout=600)
     assert res == [10, 3 * 2 * 11]

@@ -236,22 +236,24 @@ def _tokens(a, seed, t):
     return torch.randn(t, H, generator=g).bfloat16().float()
 
 
-def _config(F, A, cap, dtype="bfloat16"):
+def _config(F, A, cap, dtype="bfloat16", receive_layout="experts"):
     from torch_afdep import Config
 
     return Config(capacity_tokens_per_rank=cap, hidden_size=H, num_experts=E, top_k=K,
                   ffn_ranks=F, attention_ranks=A, num_slots=2, timeout_s=20.0,
-                  dtype=getattr(torch, dtype))
+                  dtype=getattr(torch, dtype), receive_layout=receive_layout)
 
 
-def moe_body(rank, world, F, A, cap, tokens, replays, dtype="bfloat16", use_graph=True):
-    """AfdMoE: eager, compiled (fullgraph), and a captured two-micro-batch step."""
+def moe_body(rank, world, F, A, cap, tokens, replays, dtype="bfloat16",
+             receive_layout="experts", use_graph=True):
+    """AfdMoE: eager, compiled (fullgraph), and a captured two-micro-batch step, in either
+    receive layout (the FFN runs SwiGLUExperts.forward or forward_tokens)."""
     import torch_afdep
     from torch_afdep.nn import AfdMoE, quantize_fp8, reference_moe
 
     dev = world_device()
     use_graph = use_graph and dev.type == "cuda"
-    cfg = _config(F, A, cap, dtype)
+    cfg = _config(F, A, cap, dtype, receive_layout)
     buf = torch_afdep.Buffer(dist.group.WORLD, cfg, device=dev)
     (router, w1, w3, w2), = _weights()
     moe = AfdMoE(buf, I, dtype=torch.bfloat16, device=dev)
@@ -328,14 +330,17 @@ def moe_body(rank, world, F, A, cap, tokens, replays, dtype="bfloat16", use_grap
             if not ffn:
                 for x, r in zip(xs, res):
                     check(x, *r)
-        return {"role": buf.role, "method": method, "errors": errors}
+        return {"role": buf.role, "method": method, "errors": errors,
+                "layout": buf.config.receive_layout}
     finally:
         sync(dev)
         buf.close()
 
 
-def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
-    """The vLLM connector's ping-pong over layers, captured in one CUDA graph per rank."""
+def connector_body(rank, world, F, A, layers, tokens, replays, receive_layout="experts",
+                   use_graph=True):
+    """The vLLM connector's ping-pong over layers, captured in one CUDA graph per rank, in
+    either receive layout (the FFN's model runs forward or forward_tokens)."""
     from torch_afdep.integrations.vllm import AfdepConnector, ConnectorSettings
     from torch_afdep.nn import SwiGLUExperts, reference_moe, topk_route
 
@@ -346,7 +351,8 @@ def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
     settings = ConnectorSettings(
         role=role, num_attention_ranks=A, num_ffn_ranks=F, role_rank=idx,
         capacity_tokens_per_rank=max(tokens), hidden_size=H, num_experts=E, top_k=K,
-        num_ubatches=2, num_layers=layers, device=dev.type, timeout_s=20.0)
+        num_ubatches=2, num_layers=layers, device=dev.type, timeout_s=20.0,
+        receive_layout=receive_layout)
     conn = AfdepConnector(rank, rank, settings)
     conn.init_afd_connector()
     weights = _weights(seed=50, layers=layers)
@@ -419,9 +425,13 @@ def connector_body(rank, world, F, A, layers, tokens, replays, use_graph=True):
             def step():
                 for _ in range(layers * 2):
                     rows, meta = conn.recv_attn_output()
-                    y = experts[meta.layer_idx](rows, meta.topk_weights, meta.expert_offsets,
-                                                meta.x_scales)
-                    meta.weights_applied = True
+                    ex = experts[meta.layer_idx]
+                    if meta.receive_layout == "tokens":  # one weighted sum per token
+                        y = ex.forward_tokens(rows, meta.topk_ids, meta.topk_weights,
+                                              meta.x_scales)
+                    else:
+                        y = ex(rows, meta.topk_weights, meta.expert_offsets, meta.x_scales)
+                        meta.weights_applied = True
                     conn.send_ffn_output(y, meta)
 
             step()
