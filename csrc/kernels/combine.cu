@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
   pdl_wait(L);
+  trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
   const uint64_t n = launch_number(L, kPhaseCombine);
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
-  trace_mark(L, kPhaseCombine, n, kTrStart, -1);
+  trace_mark(L, kTrStart, -1);
 
   if (!(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
     }
     sys_fence_then_sync(L);
-    trace_mark(L, kPhaseCombine, n, kTrWritten, -1);  // the signalling fences come next
+    trace_mark(L, kTrWritten, -1);  // the signalling fences come next
     if (rwo && L.sized) {
       // The grid may differ per launch, so receivers cannot count CTAs: each CTA fences
       // (covering its rows, after the bar.sync) and arrives on a device-local count; the
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
                  peer_base(L, L.rank_of_attn[0]) + L.off_comb_done) + L.rank));
-    trace_mark(L, kPhaseCombine, n, kTrSent, kTrMaxSent);
+    trace_mark(L, kTrSent, kTrMaxSent);
   }
 
   if (!rwo) {
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
     sys_fence_after_wait();  // this rank's rows (or the exit barrier) seen: read the inbox
-    trace_mark(L, kPhaseCombine, n, kTrWaited, kTrMaxWaited);
+    trace_mark(L, kTrWaited, kTrMaxWaited);
     if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
@@ -390,7 +391,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   }
 
   __syncthreads();
-  trace_mark(L, kPhaseCombine, n, kTrEnd, kTrMaxEnd);
+  trace_mark(L, kTrEnd, kTrMaxEnd);
+  trace_flush(L, kPhaseCombine, n);
   end_launch(L, kPhaseCombine, n);
 }
 

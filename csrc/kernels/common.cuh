@@ -287,15 +287,46 @@ __device__ __forceinline__ void end_launch(const Layout& L, int phase, uint64_t 
 }
 
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------
-// Called by every thread at a converged point; thread 0 of CTA 0 stamps `pt`, thread 0 of
-// every CTA folds its stamp into the "latest over CTAs" point `max_pt` (< 0: none).
-__device__ __forceinline__ void trace_mark(const Layout& L, int phase, uint64_t n, int pt,
-                                           int max_pt) {
+// Thread 0 of each CTA keeps its stamps in shared memory and writes them to the ring at the
+// kernel's end (trace_flush). A stamp is then one %globaltimer read and a shared store: it
+// never waits for the exchange number (the ring slot's address depends on it), which a
+// global store in the middle of a stage did (CTA 0 stalled at the start stamp until the
+// number's load returned, which the untraced kernel only needs at its signal).
+__device__ __forceinline__ uint64_t* trace_stamps() {
+  __shared__ uint64_t s_stamps[kTracePts];
+  return s_stamps;
+}
+
+// First thing of a kernel: no stamp yet (0 = not reached in this launch).
+__device__ __forceinline__ void trace_begin(const Layout& L) {
   if (L.trace == nullptr || threadIdx.x != 0) return;
-  uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
+  uint64_t* s = trace_stamps();
+  for (int i = 0; i < kTracePts; ++i) s[i] = 0;
+}
+
+// Called by every thread at a converged point; thread 0 stamps `pt` and, with max_pt >= 0,
+// the "latest over CTAs" point `max_pt` with the same time.
+__device__ __forceinline__ void trace_mark(const Layout& L, int pt, int max_pt) {
+  if (L.trace == nullptr || threadIdx.x != 0) return;
   const uint64_t t = global_timer_ns();
-  if (blockIdx.x == 0) p[pt] = t;
-  if (max_pt >= 0) atomicMax(reinterpret_cast<unsigned long long*>(p + max_pt), (unsigned long long)t);
+  uint64_t* s = trace_stamps();
+  s[pt] = t;
+  if (max_pt >= 0) s[max_pt] = t;
+}
+
+// Last thing before end_launch (thread 0): CTA 0's stamps into the ring slot of exchange n
+// of `phase`; every CTA folds its latest-over-CTAs points in with atomicMax.
+__device__ __forceinline__ void trace_flush(const Layout& L, int phase, uint64_t n) {
+  if (L.trace == nullptr || threadIdx.x != 0) return;
+  const uint64_t* s = trace_stamps();
+  uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
+  for (int i = 0; i < kTracePts; ++i) {
+    if (s[i] == 0) continue;
+    if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd)
+      atomicMax(reinterpret_cast<unsigned long long*>(p + i), (unsigned long long)s[i]);
+    else if (blockIdx.x == 0)
+      p[i] = s[i];
+  }
 }
 
 // ---- window addressing -------------------------------------------------------------------

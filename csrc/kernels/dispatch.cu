@@ -318,7 +318,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       if (s_ahead[i / El] < 0) s_tab[i] = 0;
     __syncthreads();
   }
-  trace_mark(L, kPhaseDispatch, n, kTrTable, -1);
+  trace_mark(L, kTrTable, -1);
   for (int e = tid; e < El; e += blockDim.x) {
     int run = 0;
     for (int g = 0; g < nreg; ++g) {
@@ -342,7 +342,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   if (warp == 0) warp_exclusive_scan(s_off, El, lane);
   if (warp == 1) warp_exclusive_scan(s_rb, nreg, lane);
   __syncthreads();
-  trace_mark(L, kPhaseDispatch, n, kTrReady, -1);
+  trace_mark(L, kTrReady, -1);
   const int rows_cap = L.A * a.bucket * L.R;
   if (c == 0) {
     for (int e = tid; e <= El; e += blockDim.x) a.out_offsets[e] = min(s_off[e], rows_cap);
@@ -479,7 +479,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
   }
   __syncthreads();
-  trace_mark(L, kPhaseDispatch, n, kTrReady, -1);
+  trace_mark(L, kTrReady, -1);
   if (c == 0) {
     for (int ai = tid; ai < L.A; ai += blockDim.x) {
       int sum = 0;
@@ -574,6 +574,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
+  trace_begin(L);
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
   // end) may take the SMs this grid leaves idle and wait there in pdl_wait. Not when every
   // rank waits for every other inside this kernel: on a GPU that ranks share, those parked
@@ -594,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool count_first = !(fl & F_ONE_WAY_COUNTS);
   const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
-  trace_mark(L, kPhaseDispatch, n, kTrStart, -1);
+  trace_mark(L, kTrStart, -1);
   if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
     printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
            L.rank, a.real_send ? "dispatch" : "receive", (unsigned long long)n, a.T);
@@ -652,7 +653,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
-    trace_mark(L, kPhaseDispatch, n, kTrClaimed, -1);
+    trace_mark(L, kTrClaimed, -1);
     // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
     // receiver reads the choice from the count block's `ahead` word.
     const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
@@ -668,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
       sys_fence_then_sync(L);
     }
-    trace_mark(L, kPhaseDispatch, n, kTrCopied, -1);
+    trace_mark(L, kTrCopied, -1);
     if (!count_first && !ahead)
       publish_counts(L, s_fb, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
     if (ahead && !row_flags) {
@@ -678,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       for (int d = tid; d < L.W; d += blockDim.x)
         signal_store_sys(L, sig_slot(peer_base(L, d), L.off_disp_done, L.W, L.S, L.rank, c), n);
     }
-    trace_mark(L, kPhaseDispatch, n, kTrSent, kTrMaxSent);
+    trace_mark(L, kTrSent, kTrMaxSent);
   }
 
   if (!rwo) {
@@ -699,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     }
     if (!__syncthreads_and(ok ? 1 : 0)) return;
     sys_fence_after_wait();  // counts (and, unless early, payloads) seen: read them
-    trace_mark(L, kPhaseDispatch, n, kTrWaited, kTrMaxWaited);
+    trace_mark(L, kTrWaited, kTrMaxWaited);
     if (a.real_recv) {
       if (L.tokens) place_tokens(L, a, n, deadline, smem);
       else expand(L, a, n, deadline, smem);
@@ -707,7 +708,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   __syncthreads();
-  trace_mark(L, kPhaseDispatch, n, kTrEnd, kTrMaxEnd);
+  trace_mark(L, kTrEnd, kTrMaxEnd);
+  trace_flush(L, kPhaseDispatch, n);
   end_launch(L, kPhaseDispatch, n);
 }
 
