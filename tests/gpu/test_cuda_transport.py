@@ -33,7 +33,7 @@ STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansio
 NO_PDL = {"AFDEP_PDL": "0"}
 NO_ONE_FENCE = {"AFDEP_ONE_FENCE": "0"}
 NO_EARLY = {"AFDEP_EARLY_LOADS": "0"}
-PREVIOUS = {**NO_PDL, **NO_ONE_FENCE, **NO_EARLY}
+PREVIOUS = devices.PREVIOUS_DEFAULTS
 
 # layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
 LAYOUTS = {name: (f, a, rank_devices(f + a), e) for name, (f, a, e) in {

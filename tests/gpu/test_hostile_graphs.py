@@ -82,7 +82,7 @@ SCEN_2A2F = [
 
 
 # the defaults, and the three small-batch controls reverted (the defaults before them)
-PREVIOUS = {"AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0"}
+PREVIOUS = devices.PREVIOUS_DEFAULTS
 
 
 @pytest.mark.parametrize("env", [{}, PREVIOUS], ids=["defaults", "previous_defaults"])

@@ -395,8 +395,7 @@ def test_token_layout_graphs_previous_defaults(layout, dtype_name):
     """test_token_layout_graphs (whose defaults preload the 3-token Attention rank's rows in
     3A1F and load every reply row with its token index) with the three small-batch controls
     reverted: AFDEP_PDL, AFDEP_ONE_FENCE and AFDEP_EARLY_LOADS at 0."""
-    test_token_layout_graphs(layout, dtype_name, env={
-        "AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0"})
+    test_token_layout_graphs(layout, dtype_name, env=devices.PREVIOUS_DEFAULTS)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
