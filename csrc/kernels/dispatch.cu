@@ -20,6 +20,113 @@ __device__ __forceinline__ bool lean_counts(const Layout& L) {
   return L.tokens && (L.flags & F_LEAN_COUNTS);
 }
 
+// ---- F_LL_SMALL: flagged 8-byte units ----------------------------------------------------
+// A unit is one 32-bit word in its low half and the low half of the exchange number in its
+// high half. A 64-bit store is single-copy atomic, so a receiver that reads the number reads
+// the word with it: the sender needs no fence before a flag, the receiver none after a wait.
+// (A stale unit could only match after 2^32 exchanges without one store to it.)
+constexpr int kPreVecs = 2;  // F_EARLY_LOADS: 16-byte row vectors per thread (see Preload)
+
+// This exchange uses the units: a channel holds at most kLLTokens tokens and its rows fit in
+// the early loads' registers. Sender and receiver decide alike (both know bucket and H); a
+// sender with another bucket may decide otherwise, so each receiver wait also watches the
+// other form and takes such a region as a bucket mismatch.
+__device__ __forceinline__ bool ll_exchange(const Layout& L, const DispatchArgs& a) {
+  const int nv = L.row_bytes / 16;
+  return L.ll && a.stride <= kLLTokens && a.stride * nv <= kPreVecs * kThreads &&
+         a.stride * L.scale_cols <= kThreads;
+}
+
+// Units of region (src_idx, ch) in a window: [0] token count, [1] ahead | bucket << kAheadBits,
+// then token j's ll_token_units from 2 + j * ll_token_units: its metadata words [0,
+// meta_ints), its row's words, its scales.
+__device__ __forceinline__ uint64_t* ll_region(const Layout& L, char* base, int src_idx, int ch) {
+  return reinterpret_cast<uint64_t*>(base + L.off_ll) + ((size_t)src_idx * L.S + ch) *
+                                                            (size_t)L.ll_region_units;
+}
+
+__device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region, int j) {
+  return region + 2 + (size_t)j * L.ll_token_units;
+}
+
+__device__ __forceinline__ uint64_t ll_unit(int word, uint32_t flag) {
+  return ((uint64_t)flag << 32) | (uint32_t)word;
+}
+
+__device__ __forceinline__ void st_ll(uint64_t* p, int word, uint32_t flag) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(ll_unit(word, flag))
+               : "memory");
+}
+
+// two units at a 16-byte aligned p
+__device__ __forceinline__ void st_ll2(uint64_t* p, int w0, int w1, uint32_t flag) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p),
+               "l"(ll_unit(w0, flag)), "l"(ll_unit(w1, flag))
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
+               : "memory");
+}
+
+__device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
+  return (uint32_t)(v >> 32) == flag;
+}
+
+// The flag of exchange n: never 0, which a window's zeroed units hold.
+__device__ __forceinline__ uint32_t ll_flag(uint64_t n) {
+  return (uint32_t)(n % 0xffffffffull) + 1u;
+}
+
+// Spin until unit p carries `flag`; its word, or false at the deadline (reported).
+__device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64_t deadline,
+                                        ErrorBlock* err, int peer, int rank, int& word) {
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_ll(p);
+    if (ll_fresh(v, flag)) {
+      word = (int)(uint32_t)v;
+      return true;
+    }
+    if ((++spins & 31u) == 0) {
+      if (global_timer_ns() > deadline) {
+        report_timeout(err, kPhaseDispatch, peer, rank);
+        return false;
+      }
+      if ((spins & 1023u) == 0 && *(volatile int*)&err->timeout) return false;
+    }
+  }
+}
+
+// Four units at a 16-byte aligned p (one 16-byte row vector), spun on until all are fresh.
+__device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, uint32_t flag, uint64_t deadline,
+                                            ErrorBlock* err, int peer, int rank, int4& v) {
+  uint32_t spins = 0;
+  while (true) {
+    uint64_t a, b, c, d;
+    ld_ll2(p, a, b);
+    ld_ll2(p + 2, c, d);
+    if (ll_fresh(a, flag) && ll_fresh(b, flag) && ll_fresh(c, flag) && ll_fresh(d, flag)) {
+      v = make_int4((int)(uint32_t)a, (int)(uint32_t)b, (int)(uint32_t)c, (int)(uint32_t)d);
+      return true;
+    }
+    if ((++spins & 31u) == 0) {
+      if (global_timer_ns() > deadline) {
+        report_timeout(err, kPhaseDispatch, peer, rank);
+        return false;
+      }
+      if ((spins & 1023u) == 0 && *(volatile int*)&err->timeout) return false;
+    }
+  }
+}
+
 // Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
 // k expert ids; duplicated ids count once (first occurrence); for each reached FFN rank one
 // slot of region (src, c) is claimed with a shared atomic, and each local entry takes the next
@@ -27,9 +134,10 @@ __device__ __forceinline__ bool lean_counts(const Layout& L) {
 // the expert-major layout without any atomics. Unless count_only, the slot's metadata is
 // written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
 // pre: e_pre / w_pre already hold this lane's id and weight (F_EARLY_LOADS: -1 / 0 past k).
+// llf != 0 (F_LL_SMALL): the metadata words go out as units flagged llf instead.
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
-                            int c, bool pre, long long e_pre, float w_pre) {
+                            int c, bool pre, long long e_pre, float w_pre, uint32_t llf) {
   const int lane = threadIdx.x & 31;
   long long e = -1;
   float w = 0.f;
@@ -75,6 +183,22 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
     }
     if (lane == 0) s_slot[i * L.F + fd] = slot;
     char* base = fb[fd];
+    // the token layout keeps the source's columns: the entry's column instead of its
+    // position within the expert
+    const int el = (int)(e - (long long)fd * L.El), col = L.tokens ? lane : pos;
+    if (llf) {
+      uint64_t* u = ll_token(L, ll_region(L, base, src_idx, c), slot);
+      if (lane == 0) {
+        st_ll(u, t, llf);
+        st_ll(u + 1, nloc, llf);
+      }
+      if (mine) {
+        st_ll(u + 2 + r, el, llf);
+        st_ll(u + 2 + L.R + r, __float_as_int(w), llf);
+        st_ll(u + 2 + 2 * L.R + r, col, llf);
+      }
+      continue;
+    }
     const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
     int* meta = reinterpret_cast<int*>(base + L.off_meta) + gslot * L.meta_ints;
     if (lane == 0) {
@@ -82,11 +206,9 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
       meta[1] = nloc;
     }
     if (mine) {
-      meta[2 + r] = (int)(e - (long long)fd * L.El);
+      meta[2 + r] = el;
       meta[2 + L.R + r] = __float_as_int(w);
-      // the token layout keeps the source's columns: the entry's column instead of its
-      // position within the expert
-      meta[2 + 2 * L.R + r] = L.tokens ? lane : pos;
+      meta[2 + 2 * L.R + r] = col;
     }
   }
 }
@@ -94,7 +216,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
 // F_EARLY_LOADS on the sender: what a CTA with few tokens loads at the kernel's start, so that
 // these loads, the exchange number's and each other's latencies overlap, instead of the claim
 // waiting for the ids and the copy then for the rows.
-constexpr int kPreVecs = 2;  // 16-byte row vectors per thread: 16 KB per CTA (2 rows at H4096)
+// kPreVecs (above): 16-byte row vectors per thread: 16 KB per CTA (2 rows at H4096)
 // a preloaded CTA never sends its counts ahead (the copy stage below relies on it)
 static_assert((int64_t)kPreVecs * kThreads * 16 < kEarlyMinBytes, "preloaded rows go ahead");
 
@@ -160,6 +282,35 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       if (slot < 0) continue;
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
       reinterpret_cast<float*>(fb[fd] + L.off_scales)[gslot * L.scale_cols + q] = p.s;
+    }
+  }
+}
+
+// copy_preloaded as flagged units (F_LL_SMALL): each 16-byte vector as four units, each scale
+// as one, into the token's units of every region it claimed a slot in.
+__device__ void copy_preloaded_ll(const Layout& L, char* const* fb, int ntok, const int* s_slot,
+                                  int src_idx, int c, const Preload& p, uint32_t llf) {
+  const int tid = threadIdx.x, nv = L.row_bytes / 16;
+#pragma unroll
+  for (int j = 0; j < kPreVecs; ++j) {
+    const int v = tid + j * kThreads;
+    if (v >= ntok * nv) continue;
+    const int i = v / nv, col = v % nv;
+    for (int fd = 0; fd < L.F; ++fd) {
+      const int slot = s_slot[i * L.F + fd];
+      if (slot < 0) continue;
+      uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col;
+      st_ll2(u, p.v[j].x, p.v[j].y, llf);
+      st_ll2(u + 2, p.v[j].z, p.v[j].w, llf);
+    }
+  }
+  if (L.scale_cols && tid < ntok * L.scale_cols) {
+    const int i = tid / L.scale_cols, q = tid % L.scale_cols;
+    for (int fd = 0; fd < L.F; ++fd) {
+      const int slot = s_slot[i * L.F + fd];
+      if (slot < 0) continue;
+      uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * nv;
+      st_ll(u + q, __float_as_int(p.s), llf);
     }
   }
 }
@@ -446,6 +597,79 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   }
 }
 
+// F_LL_SMALL receiver, region g = (Attention index, channel): spin on both forms, its count
+// unit and its count block's flag. Units: s_form[g] = 1, the count in s_form[nreg + g], the
+// ahead | bucket word in s_form[2 * nreg + g]. Count block: s_form[g] = 0 (read after the
+// fence as ever). Returns the form, or -1 at the deadline (reported).
+__device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, uint64_t deadline,
+                              int* s_form) {
+  const int nreg = L.A * L.S, ai = g / L.S, ch = g % L.S, sr = L.rank_of_attn[ai];
+  const uint32_t llf = ll_flag(n);
+  const uint64_t* u = ll_region(L, mine, ai, ch);
+  const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_ll(u);
+    if (ll_fresh(v, llf)) {
+      int word = 0;
+      if (!wait_ll(u + 1, llf, deadline, L.err, sr, L.rank, word)) return -1;
+      s_form[g] = 1;
+      s_form[nreg + g] = (int)(uint32_t)v;
+      s_form[2 * nreg + g] = word;
+      return 1;
+    }
+    if (ld_acquire_sys(flag) >= n) {
+      s_form[g] = 0;
+      return 0;
+    }
+    if ((++spins & 31u) == 0) {
+      if (global_timer_ns() > deadline) {
+        report_timeout(L.err, kPhaseDispatch, sr, L.rank);
+        return -1;
+      }
+      if ((spins & 1023u) == 0 && *(volatile int*)&L.err->timeout) return -1;
+    }
+  }
+}
+
+// F_LL_SMALL: the rows (and scales) of the regions that came as flagged units, from their
+// units into their inbox slots, where the FFN's view reads them after this kernel. Each row
+// is split into chunks over the grid's warps (one token's row would keep one warp busy for
+// several load latencies); every vector waits for its own four units.
+__device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n,
+                              uint64_t deadline, const int* s_cnt, const int* s_form) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  char* mine = peer_base(L, L.rank);
+  const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, nv = L.row_bytes / 16;
+  const int rows = stride * nreg, nw = gridDim.x * kWarps, gw = blockIdx.x * kWarps + warp;
+  const int nch = max(1, min(max(nv / 32, 1), nw / max(rows, 1)));
+  const int cv = (nv + nch - 1) / nch;
+  const uint32_t llf = ll_flag(n);
+  for (int u = gw; u < rows * nch; u += nw) {
+    const int h = u % nch, q = u / nch, j = q / nreg, g = q % nreg;
+    if (!s_form[g] || j >= s_cnt[g]) continue;  // s_cnt: 0 where the bucket differs
+    const int ai = g / L.S, ch = g % L.S, sr = L.rank_of_attn[ai];
+    const size_t row = (size_t)ai * rps + (size_t)ch * stride + j;  // == its inbox slot
+    const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j) + L.meta_ints;
+    int4* dst = reinterpret_cast<int4*>(mine + L.off_payload + row * L.row_bytes);
+    bool ok = true;
+    for (int v = h * cv + lane; v < min(nv, h * cv + cv) && ok; v += 32) {
+      int4 x;
+      ok = wait_ll_vec(ut + 4 * v, llf, deadline, L.err, sr, L.rank, x);
+      if (ok) dst[v] = x;
+    }
+    if (h == 0 && L.scale_cols) {
+      float* ds = reinterpret_cast<float*>(mine + L.off_scales) + row * L.scale_cols;
+      for (int q2 = lane; q2 < L.scale_cols && ok; q2 += 32) {
+        int wd = 0;
+        ok = wait_ll(ut + 4 * nv + q2, llf, deadline, L.err, sr, L.rank, wd);
+        if (ok) ds[q2] = __int_as_float(wd);
+      }
+    }
+    if (!__all_sync(kFull, ok)) return;
+  }
+}
+
 // Receiver side of the token layout: the payload already sits where the FFN reads it (the
 // inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
 // view), so this writes only the metadata of every row and waits until each reported row's
@@ -460,12 +684,19 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   int* s_cnt = smem;              // [nreg] tokens of each region (0: none or bucket differs)
   int* s_ready = s_cnt + nreg;    // [nreg] early counts: region's payload seen complete
   int* s_ahead = s_ready + nreg;  // [nreg] kAhead* of the region; -1: the bucket differs
+  // F_LL_SMALL: [nreg] 1 where the region came as flagged units, then their counts and
+  // ahead | bucket words (wait_region_ll)
+  const int* s_form = s_ahead + nreg;
+  const uint32_t llf = ll_flag(n);
   // Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records
   // it for the reply and reports it once per source.
   for (int g = tid; g < nreg; g += blockDim.x) {
     const int sr = L.rank_of_attn[g / L.S];
-    const int count = blk_count(L, mine, sr, g % L.S);
-    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, g % L.S) + 12));
+    const bool units = L.ll && s_form[g];
+    const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, g % L.S);
+    const int word = units ? s_form[2 * nreg + g]
+                           : ld_cg_i32(reinterpret_cast<const int*>(
+                                 cnt_block(L, mine, sr, g % L.S) + 12));
     const int sb = (int)((unsigned)word >> kAheadBits);
     const bool differs = sb != 0 && sb != a.bucket;
     // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
@@ -508,11 +739,26 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
     const int sr = L.rank_of_attn[ai];
     const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + row * L.meta_ints;
-    const int tok = ld_cg_i32(meta);
-    const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
-    int el = -1, col = -1;
+    int tok = 0, nloc = 0, el = -1, col = -1;
     float w = 0.f;
-    if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
+    if (L.ll && s_form[g]) {  // flagged units: each word waited for where it is read
+      const uint64_t* u = ll_token(L, ll_region(L, mine, ai, ch), j);
+      bool ok = true;
+      if (lane < 2) ok = wait_ll(u + lane, llf, deadline, L.err, sr, L.rank, tok);
+      nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
+      tok = __shfl_sync(kFull, tok, 0);
+      if (lane < nloc) {
+        int wi = 0;
+        ok = ok && wait_ll(u + 2 + lane, llf, deadline, L.err, sr, L.rank, el) &&
+             wait_ll(u + 2 + L.R + lane, llf, deadline, L.err, sr, L.rank, wi) &&
+             wait_ll(u + 2 + 2 * L.R + lane, llf, deadline, L.err, sr, L.rank, col);
+        w = __int_as_float(wi);
+        if (el < 0 || el >= L.El) col = -1;
+      }
+      if (!__all_sync(kFull, ok)) return;
+    } else if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
+      tok = ld_cg_i32(meta);
+      nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
       if (lane < L.R) {
         el = ld_cg_i32_now(meta + 2 + lane);
         w = __int_as_float(ld_cg_i32_now(meta + 2 + L.R + lane));
@@ -520,11 +766,15 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       }
       if (lane >= nloc) el = -1;
       if (el < 0 || el >= L.El) col = -1;
-    } else if (lane < nloc) {
-      el = ld_cg_i32(meta + 2 + lane);
-      w = __int_as_float(ld_cg_i32(meta + 2 + L.R + lane));
-      col = ld_cg_i32(meta + 2 + 2 * L.R + lane);
-      if (el < 0 || el >= L.El) col = -1;
+    } else {
+      tok = ld_cg_i32(meta);
+      nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
+      if (lane < nloc) {
+        el = ld_cg_i32(meta + 2 + lane);
+        w = __int_as_float(ld_cg_i32(meta + 2 + L.R + lane));
+        col = ld_cg_i32(meta + 2 + 2 * L.R + lane);
+        if (el < 0 || el >= L.El) col = -1;
+      }
     }
     // lane q becomes column q: the entry whose column is q (at most one: columns are the
     // first occurrences of distinct ids), else -1 / 0
@@ -569,6 +819,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       }
     }
   }
+  if (L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
@@ -620,7 +871,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (count_first) {
       for (int t = lo + warp; t < hi; t += kWarps)
         claim_token(L, a, s_fb, t, t - lo, true, s_cnt, s_ecnt, s_slot, src_idx, c,
-                    pre.ids && t == lo + warp, pre.e, pre.w);
+                    pre.ids && t == lo + warp, pre.e, pre.w, 0u);
       __syncthreads();
       publish_counts(L, s_fb, n, true, s_cnt, s_ecnt, kAheadNone, send_bucket);
       // everyone spins until every rank's counts arrived
@@ -642,9 +893,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const bool stream = L.stream && hi - lo >= kStreamMinTokens;
     const bool fused = hi - lo >= kWarps && !stream;
     const int lane = tid & 31, nv = L.row_bytes / 16;
+    // F_LL_SMALL: metadata, rows (from the early loads' registers: ll_exchange admits only
+    // channels that preload_sender loads whole) and the count go out as flagged units
+    const uint32_t llf = (a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
-                  pre.ids && t == lo + warp, pre.e, pre.w);
+                  pre.ids && t == lo + warp, pre.e, pre.w, llf);
       if (!fused) continue;
       __syncwarp();
       for (int fd = 0; fd < L.F; ++fd) {
@@ -656,7 +910,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrClaimed, -1);
     // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
     // receiver reads the choice from the count block's `ahead` word.
-    const bool ahead = L.early && !fused && (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
+    const bool ahead = L.early && !fused && !llf &&
+                       (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
     const bool row_flags = ahead && stream;  // else one payload flag per channel
     if (ahead)  // metadata fenced inside
       publish_counts(L, s_fb, n, false, s_cnt, s_ecnt, row_flags ? kAheadRows : kAheadChannel,
@@ -665,12 +920,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       copy_rows_flagged(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
     } else if (!fused) {  // (a preloaded CTA is never fused, streamed or ahead: too few bytes)
-      if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre);
-      else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
-      sys_fence_then_sync(L);
+      if (llf) {  // no fence: each unit carries its own flag
+        if (pre.rows) copy_preloaded_ll(L, s_fb, hi - lo, s_slot, src_idx, c, pre, llf);
+        for (int fd = tid; fd < L.F; fd += blockDim.x)
+          st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
+                 kAheadNone | (send_bucket << kAheadBits), llf);
+      } else {
+        if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre);
+        else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
+        sys_fence_then_sync(L);
+      }
     }
     trace_mark(L, kTrCopied, -1);
-    if (!count_first && !ahead)
+    if (!count_first && !ahead && !llf)
       publish_counts(L, s_fb, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
     if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x)
@@ -689,17 +951,31 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   if (a.do_recv) {
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
-    for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
-      const int sr = all_peers ? i / L.S : L.rank_of_attn[i / L.S];
-      const int ch = i % L.S;
-      ok = wait_geq(reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch)), n, deadline,
-                    L.err, kPhaseDispatch, sr, L.rank);
-      if (ok && count_first && rwo)
-        ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
-                      kPhaseDispatch, sr, L.rank);
+    int fence = 1;
+    if (L.ll && a.real_recv) {  // F_LL_SMALL: either form may come (see ll_exchange)
+      fence = 0;
+      int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
+      for (int i = tid; i < L.A * L.S && ok; i += blockDim.x) {
+        const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
+        ok = form >= 0;
+        fence |= form == 0 ? 1 : 0;
+      }
+      if (!__syncthreads_and(ok ? 1 : 0)) return;
+      fence = __syncthreads_or(fence);
+    } else {
+      for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
+        const int sr = all_peers ? i / L.S : L.rank_of_attn[i / L.S];
+        const int ch = i % L.S;
+        ok = wait_geq(reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch)), n,
+                      deadline, L.err, kPhaseDispatch, sr, L.rank);
+        if (ok && count_first && rwo)
+          ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
+                        kPhaseDispatch, sr, L.rank);
+      }
+      if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
-    if (!__syncthreads_and(ok ? 1 : 0)) return;
-    sys_fence_after_wait();  // counts (and, unless early, payloads) seen: read them
+    // counts (and, unless early, payloads) seen: read them (flagged units need no fence)
+    if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (a.real_recv) {
       if (L.tokens) place_tokens(L, a, n, deadline, smem);
@@ -718,7 +994,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
 size_t dispatch_smem_bytes(const Layout& L) {
   const size_t send = ((size_t)L.F + L.E + (size_t)L.slots * L.F) * 4;
   const size_t nreg = (size_t)L.A * L.S;
-  const size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 2) * 4;
+  size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 2) * 4;
+  if (L.ll && recv < 6 * nreg * 4) recv = 6 * nreg * 4;  // place_tokens' arrays + s_form
   return send > recv ? send : recv;
 }
 

@@ -59,6 +59,16 @@ CASES = {
     "sized_grid": ({"AFDEP_SIZED_GRID": "1"}, {}, EXCHANGES),
     "no_pdl": ({"AFDEP_PDL": "0"}, {}, EXCHANGES),
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
+    # the token layout, and its flagged units (AFDEP_LL_SMALL: at most 2 tokens per channel,
+    # buckets 4 and 8 over 4 channels) on both sides, or on one side only: the FFN (bucket 16,
+    # 4 per channel) expects the count block while the Attention (bucket 4) sends units, and
+    # the reverse
+    "tokens": ({}, dict(receive_layout="tokens"), EXCHANGES),
+    "ll_small": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"), EXCHANGES),
+    "ll_small_ffn_counts": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
+                            [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "ll_small_ffn_units": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
+                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}
@@ -81,6 +91,19 @@ def _ffn_rows(cfg, received, poison: bool):
         n = offs[-1]
         rows[:n] *= received.weights[:n].to(torch.float64)[:, None]
     return rows.to(torch.bfloat16)
+
+
+def _ffn_token_rows(cfg, received, poison: bool):
+    """Token layout: each row's reply, the weighted sum of ``_expert`` over its local ids (NaN
+    everywhere if poison; zero for rows without a token)."""
+    x = received.x.to(torch.float64)
+    if poison:
+        return torch.full(x.shape, float("nan"), device=x.device).to(torch.bfloat16)
+    ids = received.expert_ids.to(torch.int64)
+    w = torch.where(ids >= 0, received.weights.to(torch.float64), 0.0)
+    gain = 1.0 + torch.where(ids >= 0, ids, 0).to(torch.float64) / cfg.num_experts  # F = 1
+    rows = x * (w * gain).sum(dim=1, keepdim=True)
+    return torch.where((ids >= 0).any(dim=1, keepdim=True), rows, 0.0).to(torch.bfloat16)
 
 
 def _raise_pending(buf):
@@ -119,7 +142,15 @@ def _body(rank, world, cfg_kw, exchanges):
             mismatch = bucket_a != bucket_f
             x = {"index": i}
             t0 = time.monotonic()
-            if is_ffn:
+            if is_ffn and cfg.receive_layout == "tokens":
+                received = buf.worker_receive(bucket_f)
+                torch.cuda.synchronize()
+                x["rows"] = int((received.src_token >= 0).sum().item())
+                x["offsets_zero"] = x["rows"] == 0  # (no offsets in this layout)
+                x["num_tokens"] = received.receipt.num_tokens.tolist()
+                buf.worker_reply(_ffn_token_rows(cfg, received, poison=mismatch),
+                                 received.receipt)
+            elif is_ffn:
                 received = buf.worker_receive(bucket_f)
                 torch.cuda.synchronize()
                 x["rows"] = int(received.expert_offsets[-1].item())

@@ -41,10 +41,10 @@ CAP, HIDDEN, EXPERTS, TOP_K, SMS = 128, 2048, 12, 4, 2
 REPLAYS = 100
 
 
-def _config(a_n, f_n, dtype_name):
+def _config(a_n, f_n, dtype_name, cap=CAP):
     import torch_afdep as ta
 
-    return ta.Config(capacity_tokens_per_rank=CAP, hidden_size=HIDDEN, num_experts=EXPERTS,
+    return ta.Config(capacity_tokens_per_rank=cap, hidden_size=HIDDEN, num_experts=EXPERTS,
                      top_k=TOP_K, ffn_ranks=f_n, attention_ranks=a_n,
                      dtype=getattr(torch, dtype_name), num_sms=SMS, receive_layout="tokens",
                      timeout_s=30.0)
@@ -209,28 +209,31 @@ def _eager_exchange(buf, cfg, inputs, bucket, out, tag):
         _check_errors(buf)
 
 
-EAGER_PLAN = [[0, 1, 20], [CAP, 20, 1], [20, 0, CAP], [1, CAP, 0]]
+def eager_plan(cap):
+    """T per Attention index (cycled) of the eager exchanges: 0, 1, a few, the bucket."""
+    few = min(20, cap - 1)
+    return [[0, 1, few], [cap, few, 1], [few, 0, cap], [1, cap, 0]]
 
 
-def token_graph_body(rank, world, a_n, f_n, dtype_name, replays):
+def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP):
     import torch.distributed as dist
 
     import torch_afdep as ta
     from torch_afdep import reference as ref
     from torch_afdep.errors import AfdepRouteError
 
-    cfg = _config(a_n, f_n, dtype_name)
+    cfg = _config(a_n, f_n, dtype_name, cap)
     dev = devices.world_device()
     out = {"errors": [], "problems": [], "views": set(), "route_errors": 0, "replays": 0}
-    bucket = CAP
+    bucket = cap
     with ta.Buffer(None, cfg, device=dev) as buf:
-        for step, tokens in enumerate(EAGER_PLAN):
+        for step, tokens in enumerate(eager_plan(cap)):
             inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 10 + step) for a in range(a_n)]
             _eager_exchange(buf, cfg, inputs, bucket, out, f"eager {step}")
         dist.barrier()
 
         # one exchange per rank in a CUDA graph
-        g_tokens = [[CAP, 20, 3][a % 3] for a in range(a_n)]
+        g_tokens = [[cap, min(20, cap - 1), min(3, cap)][a % 3] for a in range(a_n)]
         first = [_inputs(cfg, a, g_tokens[a], 1000) for a in range(a_n)]
         if buf.role == "attention":
             me = buf.role_index
@@ -342,7 +345,7 @@ def token_controls_body(rank, world, a_n, f_n, dtype_name):
         env.reset()  # the next Buffer reads the arm's settings
         out = {"errors": [], "problems": [], "views": set()}
         with ta.Buffer(None, cfg, device=dev) as buf:
-            for step, tokens in enumerate(EAGER_PLAN):
+            for step, tokens in enumerate(eager_plan(CAP)):
                 inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 50 + step)
                           for a in range(a_n)]
                 _eager_exchange(buf, cfg, inputs, CAP, out, f"{arm} step {step}")
@@ -371,10 +374,10 @@ def test_token_layout_controls(layout, dtype_name):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_graphs(layout, dtype_name, env=None):
+def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP):
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
-                                  env=env, timeout=240)
+                                  cap, env=env, timeout=240)
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
@@ -396,6 +399,31 @@ def test_token_layout_graphs_previous_defaults(layout, dtype_name):
     3A1F and load every reply row with its token index) with the three small-batch controls
     reverted: AFDEP_PDL, AFDEP_ONE_FENCE and AFDEP_EARLY_LOADS at 0."""
     test_token_layout_graphs(layout, dtype_name, env=devices.PREVIOUS_DEFAULTS)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_token_layout_ll_small_graphs(layout, dtype_name):
+    """AFDEP_LL_SMALL=1 (experimental) with a bucket of 4 over the 2 channels, so that every
+    exchange sends flagged units (at most 2 tokens per channel): test_token_layout_graphs'
+    eager plan (T 0, 1, 3, 4 per Attention rank) and 100 checked graph replays with hostile
+    ids; the FFN's receive moves every row into its slot of the window (one view
+    throughout)."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+def test_token_layout_ll_small_sanitizer_small(dtype_name):
+    """The flagged units under compute-sanitizer memcheck: 1A1F, bucket 4, eager plan and 10
+    checked graph replays with hostile ids."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4,
+                                  env={"AFDEP_LL_SMALL": "1"}, timeout=900)
+    tol = _tol(dtype_name)
+    for r, out in enumerate(res):
+        assert not out["problems"], (r, out["problems"][:5])
+        bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
+        assert not bad, (r, bad[:5])
+        assert out["replays"] == 10, (r, out["replays"])
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

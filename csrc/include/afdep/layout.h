@@ -30,7 +30,10 @@ namespace afdep {
   X(LEAN_COUNTS, 12)        /* token layout: count blocks carry the count only (no            \
                                per-expert counts, which only the expert layout reads) */      \
   X(EARLY_LOADS, 13)        /* small T: independent global loads issued together at the       \
-                               kernels' start (experimental) */
+                               kernels' start */                                              \
+  X(LL_SMALL, 14)           /* token layout, at most kLLTokens per channel: the dispatch's    \
+                               words travel in flagged 8-byte units, no fence, no count flag  \
+                               (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
@@ -66,6 +69,12 @@ constexpr int kWideMinTokens = 32;
 constexpr int kStreamMinTokens = 48;
 constexpr uint32_t kEarlyNeeds = F_EARLY_COUNTS | kDirectional;
 constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;
+// Flagged units (F_LL_SMALL): a channel of at most kLLTokens tokens (ceil(bucket / S), which
+// sender and receiver both know) sends its count, metadata, rows and scales as 8-byte units,
+// each a 32-bit word and the low half of the exchange number; the sender's rows come from the
+// early loads' registers, so F_EARLY_LOADS is needed too.
+constexpr int kLLTokens = 2;
+constexpr uint32_t kLLNeeds = F_LL_SMALL | F_EARLY_LOADS | kDirectional;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
 // benchmarks of record)
@@ -155,6 +164,7 @@ struct Layout {
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
   int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
   int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
+  int ll;         // 1: flagged units for small buckets (kLLNeeds all set, token layout)
   int tokens;     // 1: token-major receive layout (Config.receive_layout == "tokens"): the
                   // inbox slots of (source a, channel c) sit at stride ceil(bucket/S), indexed
                   // by Attention index, so the inbox is the FFN's [A*S*stride, H] input as is
@@ -176,6 +186,9 @@ struct Layout {
   int64_t off_data;             // start of the data area
   int64_t off_payload, off_scales, off_meta;  // dispatch inbox arrays (FFN, or union)
   int64_t off_rowflag;          // u64 per dispatch slot: its row written (streamed expansion)
+  int64_t off_ll;               // u64 units [nsrc_d][S][ll_region_units] (F_LL_SMALL)
+  int64_t ll_token_units;       // one token's units: metadata, row words, scales (even)
+  int64_t ll_region_units;      // 2 (count, ahead | bucket) + kLLTokens tokens
   int64_t off_comb;             // combine inbox [nsrc_c][C][H] bf16 (Attention, or union)
   int64_t signal_bytes, dispatch_bytes, combine_bytes, window_bytes;
   // device pointers
@@ -225,6 +238,13 @@ inline void compute_offsets(Layout& L) {
   L.off_rowflag = 0;
   if (L.flags & F_STREAM_EXPANSION) {
     L.off_rowflag = d;  d += round_up(dslots * 8, 256);
+  }
+  L.ll = ((L.flags & kLLNeeds) == kLLNeeds && L.tokens) ? 1 : 0;
+  L.off_ll = 0;
+  L.ll_token_units = round_up(L.meta_ints + L.row_bytes / 4 + L.scale_cols, 2);
+  L.ll_region_units = 2 + kLLTokens * L.ll_token_units;
+  if (L.ll) {
+    L.off_ll = d;  d += round_up((int64_t)L.nsrc_d * L.S * L.ll_region_units * 8, 256);
   }
   L.dispatch_bytes = d - L.off_data;
   // combine inbox (shares the data area's start: one role uses one of the two)
