@@ -85,6 +85,18 @@ __device__ __forceinline__ uint32_t ll_flag(uint64_t n) {
   return (uint32_t)(n % 0xffffffffull) + 1u;
 }
 
+// One more spin of a wait on flagged units: true when it must give up (the deadline passed,
+// reported; or another CTA of this rank gave up), checked every 32 spins as in wait_geq.
+__device__ __forceinline__ bool ll_give_up(uint32_t& spins, uint64_t deadline, ErrorBlock* err,
+                                           int peer, int rank) {
+  if ((++spins & 31u) != 0) return false;
+  if (global_timer_ns() > deadline) {
+    report_timeout(err, kPhaseDispatch, peer, rank);
+    return true;
+  }
+  return (spins & 1023u) == 0 && *(volatile int*)&err->timeout;
+}
+
 // Spin until unit p carries `flag`; its word, or false at the deadline (reported).
 __device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64_t deadline,
                                         ErrorBlock* err, int peer, int rank, int& word) {
@@ -95,13 +107,7 @@ __device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64
       word = (int)(uint32_t)v;
       return true;
     }
-    if ((++spins & 31u) == 0) {
-      if (global_timer_ns() > deadline) {
-        report_timeout(err, kPhaseDispatch, peer, rank);
-        return false;
-      }
-      if ((spins & 1023u) == 0 && *(volatile int*)&err->timeout) return false;
-    }
+    if (ll_give_up(spins, deadline, err, peer, rank)) return false;
   }
 }
 
@@ -117,13 +123,7 @@ __device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, uint32_t flag, ui
       v = make_int4((int)(uint32_t)a, (int)(uint32_t)b, (int)(uint32_t)c, (int)(uint32_t)d);
       return true;
     }
-    if ((++spins & 31u) == 0) {
-      if (global_timer_ns() > deadline) {
-        report_timeout(err, kPhaseDispatch, peer, rank);
-        return false;
-      }
-      if ((spins & 1023u) == 0 && *(volatile int*)&err->timeout) return false;
-    }
+    if (ll_give_up(spins, deadline, err, peer, rank)) return false;
   }
 }
 
@@ -622,13 +622,7 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
       s_form[g] = 0;
       return 0;
     }
-    if ((++spins & 31u) == 0) {
-      if (global_timer_ns() > deadline) {
-        report_timeout(L.err, kPhaseDispatch, sr, L.rank);
-        return -1;
-      }
-      if ((spins & 1023u) == 0 && *(volatile int*)&L.err->timeout) return -1;
-    }
+    if (ll_give_up(spins, deadline, L.err, sr, L.rank)) return -1;
   }
 }
 
