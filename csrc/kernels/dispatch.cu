@@ -597,10 +597,12 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   }
 }
 
-// F_LL_SMALL receiver, region g = (Attention index, channel): spin on both forms, its count
-// unit and its count block's flag. Units: s_form[g] = 1, the count in s_form[nreg + g], the
-// ahead | bucket word in s_form[2 * nreg + g]. Count block: s_form[g] = 0 (read after the
-// fence as ever). Returns the form, or -1 at the deadline (reported).
+// F_LL_SMALL receiver, region g = (Attention index, channel): spin on both forms, its two
+// header units (count; ahead | bucket, one 16-byte load) and its count block's flag (polled
+// relaxed: the caller fences once after the wait when any region came as a count block).
+// Units: s_form[g] = 1, the count in s_form[nreg + g], the ahead | bucket word in
+// s_form[2 * nreg + g]. Count block: s_form[g] = 0. Returns the form, or -1 at the deadline
+// (reported).
 __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, uint64_t deadline,
                               int* s_form) {
   const int nreg = L.A * L.S, ai = g / L.S, ch = g % L.S, sr = L.rank_of_attn[ai];
@@ -609,21 +611,31 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
   uint32_t spins = 0;
   while (true) {
-    const uint64_t v = ld_ll(u);
-    if (ll_fresh(v, llf)) {
-      int word = 0;
-      if (!wait_ll(u + 1, llf, deadline, L.err, sr, L.rank, word)) return -1;
+    uint64_t v0, v1;
+    ld_ll2(u, v0, v1);
+    if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
       s_form[g] = 1;
-      s_form[nreg + g] = (int)(uint32_t)v;
-      s_form[2 * nreg + g] = word;
+      s_form[nreg + g] = (int)(uint32_t)v0;
+      s_form[2 * nreg + g] = (int)(uint32_t)v1;
       return 1;
     }
-    if (ld_acquire_sys(flag) >= n) {
+    if (ld_ll(flag) >= n) {
       s_form[g] = 0;
       return 0;
     }
     if (ll_give_up(spins, deadline, L.err, sr, L.rank)) return -1;
   }
+}
+
+// A unit loaded earlier as v: its word if it is fresh, else spin on it (wait_ll).
+__device__ __forceinline__ bool ll_settle(const uint64_t* p, uint64_t v, uint32_t flag,
+                                          uint64_t deadline, ErrorBlock* err, int peer, int rank,
+                                          int& word) {
+  if (ll_fresh(v, flag)) {
+    word = (int)(uint32_t)v;
+    return true;
+  }
+  return wait_ll(p, flag, deadline, err, peer, rank, word);
 }
 
 // F_LL_SMALL: the rows (and scales) of the regions that came as flagged units, from their
@@ -635,7 +647,10 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   char* mine = peer_base(L, L.rank);
   const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, nv = L.row_bytes / 16;
-  const int rows = stride * nreg, nw = gridDim.x * kWarps, gw = blockIdx.x * kWarps + warp;
+  // warps counted from the grid's end: the first rows' metadata (place_tokens) sits on the
+  // first CTAs, so their rows move in parallel with it
+  const int rows = stride * nreg, nw = gridDim.x * kWarps;
+  const int gw = nw - 1 - (int)(blockIdx.x * kWarps + warp);
   const int nch = max(1, min(max(nv / 32, 1), nw / max(rows, 1)));
   const int cv = (nv + nch - 1) / nch;
   const uint32_t llf = ll_flag(n);
@@ -735,17 +750,24 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + row * L.meta_ints;
     int tok = 0, nloc = 0, el = -1, col = -1;
     float w = 0.f;
-    if (L.ll && s_form[g]) {  // flagged units: each word waited for where it is read
+    if (L.ll && s_form[g]) {  // flagged units: all loaded at once, then each one waited for
       const uint64_t* u = ll_token(L, ll_region(L, mine, ai, ch), j);
+      uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
+      if (lane < 2) uh = ld_ll(u + lane);
+      if (lane < L.R) {  // entries past the header's count are masked below
+        ue = ld_ll(u + 2 + lane);
+        uw = ld_ll(u + 2 + L.R + lane);
+        uc = ld_ll(u + 2 + 2 * L.R + lane);
+      }
       bool ok = true;
-      if (lane < 2) ok = wait_ll(u + lane, llf, deadline, L.err, sr, L.rank, tok);
+      if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, sr, L.rank, tok);
       nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
       tok = __shfl_sync(kFull, tok, 0);
       if (lane < nloc) {
         int wi = 0;
-        ok = ok && wait_ll(u + 2 + lane, llf, deadline, L.err, sr, L.rank, el) &&
-             wait_ll(u + 2 + L.R + lane, llf, deadline, L.err, sr, L.rank, wi) &&
-             wait_ll(u + 2 + 2 * L.R + lane, llf, deadline, L.err, sr, L.rank, col);
+        ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, sr, L.rank, el) &&
+             ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, sr, L.rank, wi) &&
+             ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, sr, L.rank, col);
         w = __int_as_float(wi);
         if (el < 0 || el >= L.El) col = -1;
       }
