@@ -599,7 +599,9 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
 
 // F_LL_SMALL receiver, region g = (Attention index, channel): spin on both forms, its two
 // header units (count; ahead | bucket, one 16-byte load) and its count block's flag (polled
-// relaxed: the caller fences once after the wait when any region came as a count block).
+// relaxed, read once more with acquire when it has arrived, so that no poll pays the acquire's
+// L1 invalidation; the caller fences once after the wait when any region came as a count
+// block).
 // Units: s_form[g] = 1, the count in s_form[nreg + g], the ahead | bucket word in
 // s_form[2 * nreg + g]. Count block: s_form[g] = 0. Returns the form, or -1 at the deadline
 // (reported).
@@ -619,7 +621,7 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
       s_form[2 * nreg + g] = (int)(uint32_t)v1;
       return 1;
     }
-    if (ld_ll(flag) >= n) {
+    if (ld_ll(flag) >= n && ld_acquire_sys(flag) >= n) {  // acquired as wait_geq does
       s_form[g] = 0;
       return 0;
     }
