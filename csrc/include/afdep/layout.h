@@ -23,10 +23,9 @@ namespace afdep {
                                last reply CTA signals each receiver once (experimental) */    \
   X(STREAM_EXPANSION, 9)    /* sender CTAs with >= kStreamMinTokens tokens: counts ahead,     \
                                then one flag per row; the FFN expands each row as it lands */ \
-  X(PDL, 10)                /* programmatic dependent launch of the transport kernels         \
-                               (experimental) */                                              \
+  X(PDL, 10)                /* programmatic dependent launch of the transport kernels */      \
   X(ONE_FENCE, 11)          /* a signal is one system fence and a relaxed store (else the     \
-                               fence and a release store: a second fence; experimental) */    \
+                               fence and a release store: a second fence) */                  \
   X(LEAN_COUNTS, 12)        /* token layout: count blocks carry the count only (no            \
                                per-expert counts, which only the expert layout reads) */      \
   X(EARLY_LOADS, 13)        /* small T: independent global loads issued together at the       \
