@@ -43,7 +43,7 @@ from torch_afdep import reference as ref
 from . import common, stats
 from . import torch_exchange as tx
 
-AFDEP_ARMS = ("afdep", "symmetric")
+AFDEP_ARMS = ("afdep", "afdep_alt", "symmetric")
 NCCL_ARMS = ("nccl", "nccl_bare")
 ALL_ARMS = AFDEP_ARMS + NCCL_ARMS
 

@@ -65,15 +65,17 @@ def check_timing_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--queue-ahead-us must be in [0, 10000]")
 
 
-def parse_afdep_env(p: argparse.ArgumentParser, items: List[str]) -> Dict[str, str]:
-    """``--afdep-env NAME=0|1`` items -> {NAME: value}; NAME must be a protocol control."""
+def parse_afdep_env(p: argparse.ArgumentParser, items: List[str],
+                    option: str = "--afdep-env") -> Dict[str, str]:
+    """``--afdep-env NAME=0|1`` items (or ``option``'s) -> {NAME: value}; NAME must be a
+    protocol control."""
     from torch_afdep import env
 
     out: Dict[str, str] = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or name not in env.CONTROLS or value not in ("0", "1"):
-            p.error(f"--afdep-env takes NAME=0|1 with NAME one of {sorted(env.CONTROLS)}, "
+            p.error(f"{option} takes NAME=0|1 with NAME one of {sorted(env.CONTROLS)}, "
                     f"got {item!r}")
         out[name] = value
     return out

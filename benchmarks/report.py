@@ -22,12 +22,15 @@ from torch_afdep.config import FP8_BLOCK
 from . import common, stats
 
 SCHEMA = "torch_afdep.benchmarks/1"
-ARM_LABELS = {"afdep": "afdep", "symmetric": "symmetric (AFDEP_SYMMETRIC=1)",
+ARM_LABELS = {"afdep": "afdep", "afdep_alt": "afdep_alt (afdep with --alt-env)",
+              "symmetric": "symmetric (AFDEP_SYMMETRIC=1)",
               "nccl": "nccl (all_to_all_single + torch ops)",
               "nccl_bare": "nccl_bare (bare all_to_all_single, reference)"}
-COMPARISONS = (("afdep", "symmetric"), ("afdep", "nccl"))
+COMPARISONS = (("afdep", "symmetric"), ("afdep", "nccl"), ("afdep_alt", "afdep"))
 #: Arms compared across receive layouts (tokens vs experts, same cell, paired by repeat).
-CROSS_LAYOUT_ARMS = ("afdep", "symmetric", "nccl")
+CROSS_LAYOUT_ARMS = ("afdep", "afdep_alt", "symmetric", "nccl")
+#: Arms that run the torch_afdep kernels.
+KERNEL_ARMS = ("afdep", "afdep_alt", "symmetric")
 #: The receive_layout of nccl_bare rows (two bare all-to-alls: no layout).
 BARE_LAYOUT = "any"
 
@@ -245,7 +248,7 @@ def aggregate(raw: List[Dict[str, Any]], plan: Dict[str, Any],
                     "per_rank_median_us": per_rank_all,
                     "status": status,
                     "errors": sorted(set(e for e in errs if e)),
-                    "sms": plan["sms"] if arm in ("afdep", "symmetric") else None,
+                    "sms": plan["sms"] if arm in KERNEL_ARMS else None,
                 }
                 reach = extra.pop("reach", {})
                 rtts = extra.pop("flag_rtt_runs", None)
@@ -393,7 +396,7 @@ def registered_summary(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Registered bytes per role against the union layout, per (arm, layout, hidden, dtype)."""
     seen = {}
     for r in rows:
-        if r["arm"] not in ("afdep", "symmetric") or "registered_bytes" not in r:
+        if r["arm"] not in KERNEL_ARMS or "registered_bytes" not in r:
             continue
         key = (r["arm"], r["layout"], r["receive_layout"], r["hidden"], r["dtype"])
         if key in seen:
@@ -463,6 +466,8 @@ def markdown(doc: Dict[str, Any]) -> str:
         afdep_how.append("zero-copy collect where one FFN rank")
     if a.get("afdep_env"):
         afdep_how.append("afdep arm with " + " ".join(a["afdep_env"]))
+    if a.get("alt_env"):
+        afdep_how.append("afdep_alt arm: the afdep arm with " + " ".join(a["alt_env"]))
     if env.get("AFDEP_DEBUG", ev):
         afdep_how.append(f"AFDEP_DEBUG={ev['AFDEP_DEBUG']} (diagnostic setting: not a result "
                          "of record)")
@@ -579,7 +584,7 @@ def _group_table(rows, comps, arms, layout, hidden, dtype, routing, rl) -> List[
         if arm == "nccl_bare":
             label += " (any layout)"
         lines.append(f"| {label}, µs | " + " | ".join(cells) + " |")
-    spread_arms = [x for x in ("afdep", "symmetric") if x in arms]
+    spread_arms = [x for x in KERNEL_ARMS if x in arms]
     if spread_arms and any((get.get((x, t)) or {}).get("repeat_spread") is not None
                            for x in spread_arms for t in ts):
         lines.append(f"| repeat spread (slowest / fastest), {' / '.join(spread_arms)} | "
@@ -676,8 +681,8 @@ def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
     nrow = math.ceil(len(groups) / ncol)
     fig = plt.figure(figsize=(5.2 * ncol, 5.0 * nrow))
     gs = GridSpec(2 * nrow, ncol, figure=fig, height_ratios=[3, 1.3] * nrow, hspace=0.08)
-    styles = {"afdep": ("C0", "o"), "symmetric": ("C1", "s"), "nccl": ("C2", "^"),
-              "nccl_bare": ("C7", "v")}
+    styles = {"afdep": ("C0", "o"), "afdep_alt": ("C3", "D"), "symmetric": ("C1", "s"),
+              "nccl": ("C2", "^"), "nccl_bare": ("C7", "v")}
     for i, (layout, hidden, dtype, routing) in enumerate(groups):
         rr, cc = divmod(i, ncol)
         ax = fig.add_subplot(gs[2 * rr, cc])
@@ -719,6 +724,8 @@ def write_plot(path: str, doc: Dict[str, Any]) -> Optional[str]:
                   for base in ("symmetric", "nccl")]
         ratios.append((("afdep", "tokens"), ("afdep", "experts"), "k", "-.",
                        "afdep tokens/experts"))
+        ratios += [(("afdep_alt", rl), ("afdep", rl), styles["afdep_alt"][0], ls,
+                    f"afdep_alt/afdep {rl}") for rl, ls in (("experts", "-"), ("tokens", "--"))]
         drawn = False
         for num, den, color, ls, label in ratios:
             if num in by and den in by:

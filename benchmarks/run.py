@@ -42,12 +42,14 @@ DEFAULTS = dict(experts=128, top_k=8, capacity=2048, sms=24, hidden=[2048, 4096,
                 receive_layouts=["experts", "tokens"])
 QUICK = dict(hidden=[2048], dtype=["bf16"], routing=["random"], tokens=[1, 128], repeats=2,
              replays=30, warmup=5)
-ARMS = ("afdep", "symmetric", "nccl", "nccl_bare")
+ARMS = ("afdep", "afdep_alt", "symmetric", "nccl", "nccl_bare")
+#: Arms that run the torch_afdep kernels (afdep_alt: the afdep arm with --alt-env on top)
+KERNEL_ARMS = ("afdep", "afdep_alt", "symmetric")
 RECEIVE_LAYOUTS = ("experts", "tokens")
-ARM_ENV = {"afdep": {}, "symmetric": {afdep_env.SYMMETRIC: "1"}, "nccl": {},
+ARM_ENV = {"afdep": {}, "afdep_alt": {}, "symmetric": {afdep_env.SYMMETRIC: "1"}, "nccl": {},
            "nccl_bare": {}}
-ARM_BACKEND = {"afdep": "gloo", "symmetric": "gloo", "nccl": "cpu:gloo,cuda:nccl",
-               "nccl_bare": "cpu:gloo,cuda:nccl"}
+ARM_BACKEND = {"afdep": "gloo", "afdep_alt": "gloo", "symmetric": "gloo",
+               "nccl": "cpu:gloo,cuda:nccl", "nccl_bare": "cpu:gloo,cuda:nccl"}
 _LAYOUT_RE = re.compile(r"^(\d+)A(\d+)F$", re.IGNORECASE)
 
 
@@ -95,8 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="protocol controls for the afdep arm only, e.g. AFDEP_SIZED_GRID=1: "
                         "an experimental change against the symmetric and NCCL arms in one "
                         "run (the symmetric arm stays fully reverted)")
+    g.add_argument("--alt-env", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="protocol controls for the afdep_alt arm, on top of --afdep-env: one "
+                        "change against the afdep arm in the same run (fresh worlds, arms "
+                        "interleaved, paired repeats: the 'afdep_alt vs afdep' row)")
     g.add_argument("--arms", nargs="+", choices=ARMS, default=None,
-                   help="arms to run (default all four)")
+                   help="arms to run (default afdep symmetric nccl nccl_bare; afdep_alt "
+                        "needs --alt-env)")
     g.add_argument("--receive-layouts", nargs="+", choices=RECEIVE_LAYOUTS, default=None,
                    help="Config.receive_layout of the afdep, symmetric and nccl arms, each "
                         "measured in the same worlds (default experts tokens); nccl_bare "
@@ -175,6 +182,10 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.warmup < 0 or args.eager_steps < 1:
         p.error("--warmup must be >= 0 and --eager-steps >= 1")
     args.afdep_env_vars = common.parse_afdep_env(p, args.afdep_env)
+    args.alt_env_vars = common.parse_afdep_env(p, args.alt_env, "--alt-env")
+    if ("afdep_alt" in args.arms) != bool(args.alt_env):
+        p.error("the afdep_alt arm and --alt-env go together: --arms ... afdep_alt "
+                "--alt-env NAME=VALUE ...")
     bad = [t for t in args.tokens if t < 1 or t > args.capacity]
     if bad:
         p.error(f"--tokens must be in [1, --capacity={args.capacity}], got {bad}")
@@ -236,11 +247,11 @@ def skip_reason(arm: str, world: int, n_gpus: int, probe: Dict[str, Any],
         return None
     if arm in ("nccl", "nccl_bare") and world > n_gpus:
         return (f"NCCL needs one GPU per rank: {world} ranks on {n_gpus} GPU(s)")
-    if arm in ("afdep", "symmetric") and gpus is not None:
+    if arm in KERNEL_ARMS and gpus is not None:
         problem = mps.shared_gpu_problem(ranks_per_gpu(gpus))
         if problem:
             return problem
-    if arm in ("afdep", "symmetric") and probe.get("afdep_cuda_ext") is False:
+    if arm in KERNEL_ARMS and probe.get("afdep_cuda_ext") is False:
         return ("torch_afdep._cuda does not import ("
                 f"{probe.get('afdep_cuda_ext_error')}); build it: "
                 "AFDEP_BUILD_CUDA=1 pip install --no-build-isolation --no-deps -e .")
@@ -421,8 +432,10 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
             "device": "cpu" if args.cpu_smoke else "cuda",
             "inject": parse_inject(afdep_env.get("AFDEP_BENCH_INJECT"))}
     env = dict(ARM_ENV[arm])
-    if arm == "afdep":
+    if arm in ("afdep", "afdep_alt"):
         env.update(args.afdep_env_vars)
+    if arm == "afdep_alt":
+        env.update(args.alt_env_vars)
     desc = f"r{repeat} {layout['name']} {arm}"
     seen = {"size": -1, "changed": time.monotonic(), "stalled": None}
 
@@ -461,7 +474,7 @@ def world_summary(w: Dict[str, Any]) -> Dict[str, Any]:
     out = {k: w.get(k) for k in ("arm", "layout", "repeat", "status", "error", "wall_s")}
     metas = [r.get("meta") or {} for r in (w.get("ranks") or {}).values()]
     flags = sorted({m.get("afdep_flags_env") for m in metas} - {None})
-    if w.get("arm") not in ("afdep", "symmetric"):
+    if w.get("arm") not in KERNEL_ARMS:
         flags = []
     out["afdep_flags"] = flags[0] if len(flags) == 1 else (flags or None)
     out["gpus"] = sorted({m.get("gpu") for m in metas} - {None})
@@ -476,11 +489,11 @@ def sanity_notes(rows: List[Dict[str, Any]], raw: List[Dict[str, Any]]) -> List[
         if w["arm"] == "symmetric" and f not in (None, 0):
             notes.append(f"WARNING: symmetric arm repeat {w['repeat']} ran with protocol "
                          f"flags {f}, not 0 (AFDEP_SYMMETRIC=1 did not revert every control)")
-        if w["arm"] == "afdep" and f == 0:
-            notes.append(f"WARNING: afdep arm repeat {w['repeat']} ran with every control "
+        if w["arm"] in ("afdep", "afdep_alt") and f == 0:
+            notes.append(f"WARNING: {w['arm']} arm repeat {w['repeat']} ran with every control "
                          "off (flags 0): it measured the symmetric protocol")
     for r in rows:
-        if r["arm"] in ("afdep", "symmetric") and r.get("afdep_flags") is not None:
+        if r["arm"] in KERNEL_ARMS and r.get("afdep_flags") is not None:
             if (r["arm"] == "symmetric") != (r["afdep_flags"] == 0):
                 notes.append(f"WARNING: {r['arm']} {r['layout']} H{r['hidden']} {r['dtype']}: "
                              f"transport flags {r['afdep_flags']}")

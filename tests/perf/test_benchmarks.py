@@ -64,7 +64,10 @@ def test_layouts_accepted_by_the_cli():
                                   ["--dtype", "fp16"], ["--arms", "deepep"],
                                   ["--afdep-env", "AFDEP_BOGUS=1"],
                                   ["--afdep-env", "AFDEP_SIZED_GRID=2"],
-                                  ["--afdep-env", "AFDEP_SIZED_GRID"]])
+                                  ["--afdep-env", "AFDEP_SIZED_GRID"],
+                                  ["--arms", "afdep", "afdep_alt"],  # no --alt-env
+                                  ["--alt-env", "AFDEP_LL_SMALL=1"],  # no afdep_alt arm
+                                  ["--arms", "afdep_alt", "--alt-env", "AFDEP_BOGUS=1"]])
 def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run.parse_args(argv)
@@ -856,3 +859,32 @@ def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
                      "symmetric": 0}
     md = open(tmp_path / "ab.md").read()
     assert "- afdep arms: transport ipc, afdep arm with AFDEP_SIZED_GRID=1" in md
+
+
+def test_cpu_smoke_alt_arm_is_the_afdep_arm_with_one_change(tmp_path):
+    """--arms afdep afdep_alt --alt-env X=1: the afdep_alt worlds run the afdep arm's flags plus
+    X (on top of --afdep-env), interleaved with it in one run, and the results carry a paired
+    'afdep_alt vs afdep' comparison in every cell."""
+    p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "2", "--replays", "2",
+                 "--warmup", "1", "--arms", "afdep", "afdep_alt", "--hidden", "256",
+                 "--afdep-env", "AFDEP_PDL=0", "--alt-env", "AFDEP_SIZED_GRID=1",
+                 "--kernel-timeout", "10", "--out-dir", str(tmp_path), "--name", "alt",
+                 "--receive-layouts", "tokens", "--no-plot", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.load(open(tmp_path / "alt.json"))
+    assert d["args"]["alt_env"] == ["AFDEP_SIZED_GRID=1"]
+    base = env.DEFAULT_FLAGS & ~env.CONTROLS["AFDEP_PDL"].bit
+    flags = {(w["arm"], w["repeat"]): w["afdep_flags"] for w in d["worlds"]}
+    assert flags == {("afdep", 0): base, ("afdep", 1): base,
+                     ("afdep_alt", 0): base | env.CONTROLS["AFDEP_SIZED_GRID"].bit,
+                     ("afdep_alt", 1): base | env.CONTROLS["AFDEP_SIZED_GRID"].bit}
+    order = [w["arm"] for w in d["worlds"]]
+    assert order[:2] != order[2:], order  # the arm order rotates over the repeats
+    rows = {r["arm"]: r for r in d["results"]}
+    assert set(rows) == {"afdep", "afdep_alt"}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    comps = [c for c in d["comparisons"] if (c["arm"], c["baseline"]) == ("afdep_alt", "afdep")]
+    assert len(comps) == 1 and comps[0]["pairs"] == 2, comps
+    md = open(tmp_path / "alt.md").read()
+    assert "afdep_alt arm: the afdep arm with AFDEP_SIZED_GRID=1" in md
+    assert "| afdep_alt vs afdep |" in md
