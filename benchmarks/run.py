@@ -8,7 +8,8 @@
 
 Arms (same contract, docs/contract.md): ``afdep`` (role-aware kernels), ``symmetric`` (the
 same kernels with AFDEP_SYMMETRIC=1), ``nccl`` (all_to_all_single + torch ops), and
-``nccl_bare`` (one bare all_to_all_single each way, a reference line). Every arm but
+``nccl_bare`` (one bare all_to_all_single each way, a reference line); on request
+``afdep_alt`` (the afdep arm plus ``--alt-env`` controls: an A/B of one change in one run). Every arm but
 ``nccl_bare`` runs each receive layout (``Config(receive_layout=...)``: "experts", "tokens");
 ``nccl_bare`` does not depend on it and runs once per cell. Each repeat spawns one fresh
 process group per (arm, layout) covering all cells of both receive layouts, arms
