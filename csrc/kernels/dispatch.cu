@@ -259,9 +259,11 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
 }
 
 // Copy stage of a preloaded CTA: each thread stores its vectors (and scale) into every slot
-// its token claimed.
+// its token claimed. llf != 0 (F_LL_SMALL): into the token's units of each claimed region
+// instead, each 16-byte vector as four units and each scale as one, flagged llf.
 __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
-                               const int* s_slot, int src_idx, int c, const Preload& p) {
+                               const int* s_slot, int src_idx, int c, const Preload& p,
+                               uint32_t llf) {
   const int tid = threadIdx.x, nv = L.row_bytes / 16;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
@@ -271,6 +273,12 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = s_slot[i * L.F + fd];
       if (slot < 0) continue;
+      if (llf) {
+        uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col;
+        st_ll2(u, p.v[j].x, p.v[j].y, llf);
+        st_ll2(u + 2, p.v[j].z, p.v[j].w, llf);
+        continue;
+      }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
       reinterpret_cast<int4*>(fb[fd] + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
     }
@@ -280,37 +288,13 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = s_slot[i * L.F + fd];
       if (slot < 0) continue;
+      if (llf) {
+        uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * nv;
+        st_ll(u + q, __float_as_int(p.s), llf);
+        continue;
+      }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
       reinterpret_cast<float*>(fb[fd] + L.off_scales)[gslot * L.scale_cols + q] = p.s;
-    }
-  }
-}
-
-// copy_preloaded as flagged units (F_LL_SMALL): each 16-byte vector as four units, each scale
-// as one, into the token's units of every region it claimed a slot in.
-__device__ void copy_preloaded_ll(const Layout& L, char* const* fb, int ntok, const int* s_slot,
-                                  int src_idx, int c, const Preload& p, uint32_t llf) {
-  const int tid = threadIdx.x, nv = L.row_bytes / 16;
-#pragma unroll
-  for (int j = 0; j < kPreVecs; ++j) {
-    const int v = tid + j * kThreads;
-    if (v >= ntok * nv) continue;
-    const int i = v / nv, col = v % nv;
-    for (int fd = 0; fd < L.F; ++fd) {
-      const int slot = s_slot[i * L.F + fd];
-      if (slot < 0) continue;
-      uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col;
-      st_ll2(u, p.v[j].x, p.v[j].y, llf);
-      st_ll2(u + 2, p.v[j].z, p.v[j].w, llf);
-    }
-  }
-  if (L.scale_cols && tid < ntok * L.scale_cols) {
-    const int i = tid / L.scale_cols, q = tid % L.scale_cols;
-    for (int fd = 0; fd < L.F; ++fd) {
-      const int slot = s_slot[i * L.F + fd];
-      if (slot < 0) continue;
-      uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * nv;
-      st_ll(u + q, __float_as_int(p.s), llf);
     }
   }
 }
@@ -939,12 +923,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       __syncthreads();
     } else if (!fused) {  // (a preloaded CTA is never fused, streamed or ahead: too few bytes)
       if (llf) {  // no fence: each unit carries its own flag
-        if (pre.rows) copy_preloaded_ll(L, s_fb, hi - lo, s_slot, src_idx, c, pre, llf);
+        if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, llf);
         for (int fd = tid; fd < L.F; fd += blockDim.x)
           st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
                  kAheadNone | (send_bucket << kAheadBits), llf);
       } else {
-        if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre);
+        if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, 0u);
         else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
         sys_fence_then_sync(L);
       }
