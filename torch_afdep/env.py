@@ -117,10 +117,11 @@ _CONTROLS = (
     _control("AFDEP_LL_SMALL", 14, 0,
              "experimental, off by default: token layout, at most 2 tokens per channel "
              "(ceil(bucket / num_sms) <= 2, rows in the early loads' registers): the "
-             "dispatch's count, metadata, rows and scales travel as 8-byte units, each a "
-             "32-bit word and the exchange number's low half, so the sender needs no fence "
-             "and the FFN no count flag; the FFN's receive moves the rows into their slots of "
-             "the receive window; needs AFDEP_EARLY_LOADS and the four directional controls; "
+             "dispatch's count, metadata, rows and scales, and the reply's rows, travel as "
+             "8-byte units, each a 32-bit word and the exchange number's low half, so no "
+             "sender waits for a fence and no receiver for a count flag; the FFN's receive "
+             "moves the rows into their slots of the receive window, the zero-copy collect "
+             "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
              "0 = the payload, then a fence and the count flag"),
 )
 

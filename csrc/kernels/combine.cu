@@ -158,6 +158,134 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
   }
 }
 
+// ---- F_LL_SMALL reply: flagged units (common.cuh) -----------------------------------------
+// Token layout, ceil(bucket / S) <= kLLTokens: the FFN writes, into each Attention rank's
+// window, its start units (its receive is done; the bucket words of a mismatch) and every
+// token's row as units; the Attention's collect reads them as they land, without waiting for
+// the completion count and its fence. The FFN still fences and signals completion afterwards:
+// a collect in the count form (another bucket, a larger T) waits for that, and the counts stay
+// in step for the exchanges that follow.
+
+// The FFN's start units of FFN index f in a window: ffn bucket | 0, sender bucket | 0.
+__device__ __forceinline__ uint64_t* llc_start(const Layout& L, char* base, int f) {
+  return reinterpret_cast<uint64_t*>(base + L.off_llc_start) + 2 * (size_t)f;
+}
+
+// Token t's row units from FFN index f: H / 2 units (two BF16 values each).
+__device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f, int t) {
+  return reinterpret_cast<uint64_t*>(base + L.off_llc) +
+         ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
+}
+
+// reply_token_rows_early with flagged units: each warp loads its chunk of the row with the
+// row's token index, then stores it as units into the token's row units at its source.
+__device__ void reply_token_rows_ll(const Layout& L, const CombineArgs& a, int nch, int cv,
+                                    int gw, int nw, int lane, uint32_t llf) {
+  constexpr int U = 4;
+  const int nv = L.H / 8;
+  const int nrows = L.A * a.rps;
+  const int4* rows = static_cast<const int4*>(a.rows);
+  for (int u = gw; u < nrows * nch; u += nw) {
+    const int h = u % nch, row = u / nch;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    const int4* src = rows + (size_t)row * nv;
+    const int tok = a.src_token[row];
+    int4 v[U];
+#pragma unroll
+    for (int q = 0; q < U; ++q)
+      if (v0 + lane + 32 * q < v1) v[q] = ld_nc_v4(src + v0 + lane + 32 * q);
+    if (tok < 0) continue;
+    if (tok >= L.llc_tokens) {  // not a receipt's row (tok < T <= bucket <= llc_tokens)
+      if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
+      continue;
+    }
+    uint64_t* dst = llc_row(L, peer_base(L, L.rank_of_attn[row / a.rps]), L.my_index, tok);
+#pragma unroll
+    for (int q = 0; q < U; ++q) {
+      const int i = v0 + lane + 32 * q;
+      if (i < v1) {
+        st_ll2(dst + 4 * (size_t)i, v[q].x, v[q].y, llf);
+        st_ll2(dst + 4 * (size_t)i + 2, v[q].z, v[q].w, llf);
+      }
+    }
+    for (int i = v0 + lane + 32 * U; i < v1; i += 32) {
+      const int4 x = ld_nc_v4(src + i);
+      st_ll2(dst + 4 * (size_t)i, x.x, x.y, llf);
+      st_ll2(dst + 4 * (size_t)i + 2, x.z, x.w, llf);
+    }
+  }
+}
+
+// Attention, F_LL_SMALL collect: FFN index f's start units (its rows come as units), or its
+// completion count (it sent the count form: no units). s_llc[f] = the form (1 units, 0 count),
+// s_llc[kMaxFfn + f] and s_llc[2 * kMaxFfn + f] the start units' words. A count seen first is
+// fenced after and the start units read again: they may have landed behind it. Returns the
+// form, or -1 at the deadline (reported).
+__device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t llf,
+                             uint64_t deadline, int* s_llc) {
+  char* mine = peer_base(L, L.rank);
+  const int sr = L.rank_of_ffn[f];
+  const uint64_t* u = llc_start(L, mine, f);
+  const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
+  uint32_t spins = 0;
+  int form = -1;
+  uint64_t v0 = 0, v1 = 0;
+  while (form < 0) {
+    ld_ll2(u, v0, v1);
+    if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
+      form = 1;
+    } else if (ld_ll(done) >= target) {
+      fence_acq_rel_sys();
+      ld_ll2(u, v0, v1);
+      form = ll_fresh(v0, llf) && ll_fresh(v1, llf) ? 1 : 0;
+    } else if (ll_give_up(spins, deadline, L.err, kPhaseCombine, sr, L.rank)) {
+      return -1;
+    }
+  }
+  s_llc[f] = form;
+  s_llc[kMaxFfn + f] = form ? (int)(uint32_t)v0 : 0;
+  s_llc[2 * kMaxFfn + f] = form ? (int)(uint32_t)v1 : 0;
+  return form;
+}
+
+// collect_chunk with F_LL_SMALL: the rows of FFN ranks in umask from their units (each vector
+// spun on until its four units are fresh), the others' from the inbox (count form, read after
+// the fence). With in_place the result goes into the one FFN's inbox row (the caller's view).
+__device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
+                                 int lane, uint64_t bad, uint64_t route, uint64_t umask,
+                                 uint32_t llf, uint64_t deadline) {
+  uint64_t mask = route & ~bad;
+  if (L.F < 64) mask &= (1ull << L.F) - 1;
+  const int nv = L.H / 8;
+  const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
+  char* mine = peer_base(L, L.rank);
+  const int4* inbox = reinterpret_cast<const int4*>(mine + L.off_comb);
+  int4* dst = a.in_place
+                  ? const_cast<int4*>(inbox) + ((size_t)(role ? 0 : L.rank_of_ffn[0]) * L.C + t) * nv
+                  : static_cast<int4*>(a.out) + (size_t)t * nv;
+  for (int i = v0 + lane; i < v1; i += 32) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int4 one = make_int4(0, 0, 0, 0);  // F == 1: the row as is (zeros when not routed)
+    uint64_t m = mask;
+    while (m) {
+      const int f = __ffsll((long long)m) - 1;
+      m &= m - 1;
+      int4 x;
+      if ((umask >> f) & 1ull) {
+        if (!wait_ll_vec(llc_row(L, mine, f, t) + 4 * (size_t)i, llf, deadline, L.err,
+                         kPhaseCombine, L.rank_of_ffn[f], L.rank, x))
+          return false;
+      } else {
+        x = ld_cg_v4(inbox + ((size_t)(role ? f : L.rank_of_ffn[f]) * L.C + t) * nv + i);
+      }
+      if (L.F == 1) one = x;
+      else add_bf16x8(acc, x);
+    }
+    dst[i] = L.F == 1 ? one : pack_bf16x8(acc);
+  }
+  return true;
+}
+
 // Chunks per row when every one of `units` rows (or slots) gets its own warps: about one
 // unit per warp, a chunk at least one 16-byte vector per lane.
 __device__ __forceinline__ int chunks_per_unit(int units, int warps, int nv) {
@@ -242,7 +370,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int cv = (nv + nch - 1) / nch;
       // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
-      if (a.tokens) {
+      // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
+      // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
+      const bool ll = L.ll && a.tokens && a.rps <= L.llc_tokens;
+      if (ll) {
+        const uint32_t llf = ll_flag(n);
+        for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x) {
+          const int sb = L.mismatch[ai];
+          st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
+        }
+        reply_token_rows_ll(L, a, nch, cv, gw, nw, lane, llf);
+      } else if (a.tokens) {
         reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx);
       } else {
         __syncthreads();
@@ -335,7 +473,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     const int cnch = chunks_per_row(a.T, nw, nv);
     const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < a.T * cnch;
     const uint64_t route0 = pre_route ? (uint64_t)a.route[gw / cnch] : 0;
-    if (rwo) {
+    // F_LL_SMALL (token layout, T <= kLLTokens * S): the replies' start units, or the count
+    // form where an FFN rank sent that (see wait_reply_ll); the fence only for the latter
+    const bool ll = L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens;
+    __shared__ int s_llc[3 * kMaxFfn];
+    int fence = 1;
+    if (ll) {
+      const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
+      const uint32_t llf = ll_flag(n);
+      bool ok = true;
+      int counted = 0;
+      for (int f = tid; f < L.F && ok; f += blockDim.x) {
+        const int form = wait_reply_ll(L, f, target, llf, deadline, s_llc);
+        ok = form >= 0;
+        counted |= form == 0 ? 1 : 0;
+      }
+      if (!__syncthreads_and(ok ? 1 : 0)) return;
+      fence = __syncthreads_or(counted);
+    } else if (rwo) {
       // every source's reply kernel ran G CTAs (S when the grid is not wide): n exchanges done
       // when its count reaches n * G; with sized grids its last CTA stores n
       const int nsrc = all_peers ? L.W : L.F;
@@ -353,7 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }
-    sys_fence_after_wait();  // this rank's rows (or the exit barrier) seen: read the inbox
+    // this rank's rows (or the exit barrier) seen: read the inbox (flagged units need none)
+    if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",
@@ -367,26 +523,44 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (a.real_recv) {
       // FFN ranks whose reply of this exchange says the buckets differed (they took nothing
       // from this rank): one load per lane, after the wait and its fence like the rows.
-      uint64_t bad = 0;
+      // F_LL_SMALL: an FFN rank that sent units tells a mismatch in its start units instead.
+      uint64_t bad = 0, umask = 0;
       for (int f0 = 0; f0 < L.F; f0 += 32) {
         const int f = f0 + lane;
-        const ReplyStatus* st =
-            reinterpret_cast<const ReplyStatus*>(mine + L.off_reply_status) + f;
-        const bool b = f < L.F && __ldcg(reinterpret_cast<const unsigned long long*>(&st->seq)) ==
-                                      (unsigned long long)n;
+        const bool units = ll && f < L.F && s_llc[f] == 1;
+        bool b = false;
+        int fb = 0, sb = 0;
+        if (units) {
+          fb = s_llc[kMaxFfn + f];
+          sb = s_llc[2 * kMaxFfn + f];
+          b = fb != 0;
+        } else if (f < L.F) {
+          const ReplyStatus* st =
+              reinterpret_cast<const ReplyStatus*>(mine + L.off_reply_status) + f;
+          b = __ldcg(reinterpret_cast<const unsigned long long*>(&st->seq)) ==
+              (unsigned long long)n;
+          if (b) {
+            fb = __ldcg(&st->ffn_bucket);
+            sb = __ldcg(&st->sender_bucket);
+          }
+        }
         bad |= (uint64_t)__ballot_sync(kFull, b) << f0;
-        if (b && c == 0 && warp == 0)
-          report_route(L.err, __ldcg(&st->ffn_bucket), kRouteBucket, L.rank_of_ffn[f],
-                       __ldcg(&st->sender_bucket));
+        umask |= (uint64_t)__ballot_sync(kFull, units) << f0;
+        if (b && c == 0 && warp == 0) report_route(L.err, fb, kRouteBucket, L.rank_of_ffn[f], sb);
       }
       const int nch = cnch;
       const int cv = (nv + nch - 1) / nch;
-      for (int u = gw; u < a.T * nch; u += nw) {
+      bool ok = true;
+      const uint32_t llf = ll_flag(n);
+      for (int u = gw; u < a.T * nch && ok; u += nw) {
         const int h = u % nch, t = u / nch;
         const int v0 = h * cv, v1 = min(nv, v0 + cv);
         const uint64_t route = pre_route && u == gw ? route0 : (uint64_t)a.route[t];
-        if (v1 > v0) collect_chunk(L, a, t, v0, v1, lane, bad, route);
+        if (v1 <= v0) continue;
+        if (ll) ok = collect_chunk_ll(L, a, t, v0, v1, lane, bad, route, umask, llf, deadline);
+        else collect_chunk(L, a, t, v0, v1, lane, bad, route);
       }
+      if (ll && !__syncthreads_and(ok ? 1 : 0)) return;
     }
   }
 

@@ -266,6 +266,102 @@ __device__ __forceinline__ void signal_add_sys(const Layout& L, uint64_t* p, uin
 // previous exchange's rows from the inbox (tests/gpu: AFDEP_TEST_REPLY_DELAY_MS repro).
 __device__ __forceinline__ void sys_fence_after_wait() { fence_acq_rel_sys(); }
 
+// ---- flagged 8-byte units (F_LL_SMALL) ----------------------------------------------------
+// A unit is one 32-bit word in its low half and the low half of the exchange number (ll_flag)
+// in its high half. A 64-bit store is single-copy atomic, so a receiver that reads the number
+// reads the word with it: the sender needs no fence before a flag, the receiver none after a
+// wait. (A stale unit could only match after 2^32 exchanges without one store to it.)
+__device__ __forceinline__ uint64_t ll_unit(int word, uint32_t flag) {
+  return ((uint64_t)flag << 32) | (uint32_t)word;
+}
+
+__device__ __forceinline__ void st_ll(uint64_t* p, int word, uint32_t flag) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(ll_unit(word, flag))
+               : "memory");
+}
+
+// two units at a 16-byte aligned p
+__device__ __forceinline__ void st_ll2(uint64_t* p, int w0, int w1, uint32_t flag) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p),
+               "l"(ll_unit(w0, flag)), "l"(ll_unit(w1, flag))
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
+               : "memory");
+}
+
+__device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
+  return (uint32_t)(v >> 32) == flag;
+}
+
+// The flag of exchange n: never 0, which a window's zeroed units hold.
+__device__ __forceinline__ uint32_t ll_flag(uint64_t n) {
+  return (uint32_t)(n % 0xffffffffull) + 1u;
+}
+
+// One more spin of a wait on flagged units: true when it must give up (the deadline passed,
+// reported; or another CTA of this rank gave up), checked every 32 spins as in wait_geq.
+__device__ __forceinline__ bool ll_give_up(uint32_t& spins, uint64_t deadline, ErrorBlock* err,
+                                           int phase, int peer, int rank) {
+  if ((++spins & 31u) != 0) return false;
+  if (global_timer_ns() > deadline) {
+    report_timeout(err, phase, peer, rank);
+    return true;
+  }
+  return (spins & 1023u) == 0 && *(volatile int*)&err->timeout;
+}
+
+// Spin until unit p carries `flag`; its word, or false at the deadline (reported).
+__device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64_t deadline,
+                                        ErrorBlock* err, int phase, int peer, int rank,
+                                        int& word) {
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_ll(p);
+    if (ll_fresh(v, flag)) {
+      word = (int)(uint32_t)v;
+      return true;
+    }
+    if (ll_give_up(spins, deadline, err, phase, peer, rank)) return false;
+  }
+}
+
+// Four units at a 16-byte aligned p (one 16-byte row vector), spun on until all are fresh.
+__device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, uint32_t flag, uint64_t deadline,
+                                            ErrorBlock* err, int phase, int peer, int rank,
+                                            int4& v) {
+  uint32_t spins = 0;
+  while (true) {
+    uint64_t a, b, c, d;
+    ld_ll2(p, a, b);
+    ld_ll2(p + 2, c, d);
+    if (ll_fresh(a, flag) && ll_fresh(b, flag) && ll_fresh(c, flag) && ll_fresh(d, flag)) {
+      v = make_int4((int)(uint32_t)a, (int)(uint32_t)b, (int)(uint32_t)c, (int)(uint32_t)d);
+      return true;
+    }
+    if (ll_give_up(spins, deadline, err, phase, peer, rank)) return false;
+  }
+}
+
+// A unit loaded earlier as v: its word if it is fresh, else spin on it (wait_ll).
+__device__ __forceinline__ bool ll_settle(const uint64_t* p, uint64_t v, uint32_t flag,
+                                          uint64_t deadline, ErrorBlock* err, int phase, int peer,
+                                          int rank, int& word) {
+  if (ll_fresh(v, flag)) {
+    word = (int)(uint32_t)v;
+    return true;
+  }
+  return wait_ll(p, flag, deadline, err, phase, peer, rank, word);
+}
+
 // ---- exchange numbers ----------------------------------------------------------------------
 // Exchange number of this launch. Fixed grids: every CTA counts its own launches. Sized grids
 // (the grid may change between launches): one count per phase, advanced by the last CTA.

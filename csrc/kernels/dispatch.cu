@@ -20,11 +20,7 @@ __device__ __forceinline__ bool lean_counts(const Layout& L) {
   return L.tokens && (L.flags & F_LEAN_COUNTS);
 }
 
-// ---- F_LL_SMALL: flagged 8-byte units ----------------------------------------------------
-// A unit is one 32-bit word in its low half and the low half of the exchange number in its
-// high half. A 64-bit store is single-copy atomic, so a receiver that reads the number reads
-// the word with it: the sender needs no fence before a flag, the receiver none after a wait.
-// (A stale unit could only match after 2^32 exchanges without one store to it.)
+// ---- F_LL_SMALL: the dispatch's flagged units (common.cuh) ---------------------------------
 constexpr int kPreVecs = 2;  // F_EARLY_LOADS: 16-byte row vectors per thread (see Preload)
 
 // This exchange uses the units: a channel holds at most kLLTokens tokens and its rows fit in
@@ -47,84 +43,6 @@ __device__ __forceinline__ uint64_t* ll_region(const Layout& L, char* base, int 
 
 __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region, int j) {
   return region + 2 + (size_t)j * L.ll_token_units;
-}
-
-__device__ __forceinline__ uint64_t ll_unit(int word, uint32_t flag) {
-  return ((uint64_t)flag << 32) | (uint32_t)word;
-}
-
-__device__ __forceinline__ void st_ll(uint64_t* p, int word, uint32_t flag) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(ll_unit(word, flag))
-               : "memory");
-}
-
-// two units at a 16-byte aligned p
-__device__ __forceinline__ void st_ll2(uint64_t* p, int w0, int w1, uint32_t flag) {
-  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p),
-               "l"(ll_unit(w0, flag)), "l"(ll_unit(w1, flag))
-               : "memory");
-}
-
-__device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t& a, uint64_t& b) {
-  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
-               : "memory");
-}
-
-__device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
-  return (uint32_t)(v >> 32) == flag;
-}
-
-// The flag of exchange n: never 0, which a window's zeroed units hold.
-__device__ __forceinline__ uint32_t ll_flag(uint64_t n) {
-  return (uint32_t)(n % 0xffffffffull) + 1u;
-}
-
-// One more spin of a wait on flagged units: true when it must give up (the deadline passed,
-// reported; or another CTA of this rank gave up), checked every 32 spins as in wait_geq.
-__device__ __forceinline__ bool ll_give_up(uint32_t& spins, uint64_t deadline, ErrorBlock* err,
-                                           int peer, int rank) {
-  if ((++spins & 31u) != 0) return false;
-  if (global_timer_ns() > deadline) {
-    report_timeout(err, kPhaseDispatch, peer, rank);
-    return true;
-  }
-  return (spins & 1023u) == 0 && *(volatile int*)&err->timeout;
-}
-
-// Spin until unit p carries `flag`; its word, or false at the deadline (reported).
-__device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64_t deadline,
-                                        ErrorBlock* err, int peer, int rank, int& word) {
-  uint32_t spins = 0;
-  while (true) {
-    const uint64_t v = ld_ll(p);
-    if (ll_fresh(v, flag)) {
-      word = (int)(uint32_t)v;
-      return true;
-    }
-    if (ll_give_up(spins, deadline, err, peer, rank)) return false;
-  }
-}
-
-// Four units at a 16-byte aligned p (one 16-byte row vector), spun on until all are fresh.
-__device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, uint32_t flag, uint64_t deadline,
-                                            ErrorBlock* err, int peer, int rank, int4& v) {
-  uint32_t spins = 0;
-  while (true) {
-    uint64_t a, b, c, d;
-    ld_ll2(p, a, b);
-    ld_ll2(p + 2, c, d);
-    if (ll_fresh(a, flag) && ll_fresh(b, flag) && ll_fresh(c, flag) && ll_fresh(d, flag)) {
-      v = make_int4((int)(uint32_t)a, (int)(uint32_t)b, (int)(uint32_t)c, (int)(uint32_t)d);
-      return true;
-    }
-    if (ll_give_up(spins, deadline, err, peer, rank)) return false;
-  }
 }
 
 // Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
@@ -609,19 +527,8 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
       s_form[g] = 0;
       return 0;
     }
-    if (ll_give_up(spins, deadline, L.err, sr, L.rank)) return -1;
+    if (ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank)) return -1;
   }
-}
-
-// A unit loaded earlier as v: its word if it is fresh, else spin on it (wait_ll).
-__device__ __forceinline__ bool ll_settle(const uint64_t* p, uint64_t v, uint32_t flag,
-                                          uint64_t deadline, ErrorBlock* err, int peer, int rank,
-                                          int& word) {
-  if (ll_fresh(v, flag)) {
-    word = (int)(uint32_t)v;
-    return true;
-  }
-  return wait_ll(p, flag, deadline, err, peer, rank, word);
 }
 
 // F_LL_SMALL: the rows (and scales) of the regions that came as flagged units, from their
@@ -650,14 +557,14 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
     bool ok = true;
     for (int v = h * cv + lane; v < min(nv, h * cv + cv) && ok; v += 32) {
       int4 x;
-      ok = wait_ll_vec(ut + 4 * v, llf, deadline, L.err, sr, L.rank, x);
+      ok = wait_ll_vec(ut + 4 * v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
       if (ok) dst[v] = x;
     }
     if (h == 0 && L.scale_cols) {
       float* ds = reinterpret_cast<float*>(mine + L.off_scales) + row * L.scale_cols;
       for (int q2 = lane; q2 < L.scale_cols && ok; q2 += 32) {
         int wd = 0;
-        ok = wait_ll(ut + 4 * nv + q2, llf, deadline, L.err, sr, L.rank, wd);
+        ok = wait_ll(ut + 4 * nv + q2, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, wd);
         if (ok) ds[q2] = __int_as_float(wd);
       }
     }
@@ -746,14 +653,15 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
         uc = ld_ll(u + 2 + 2 * L.R + lane);
       }
       bool ok = true;
-      if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, sr, L.rank, tok);
+      constexpr int ph = kPhaseDispatch;
+      if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
       nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
       tok = __shfl_sync(kFull, tok, 0);
       if (lane < nloc) {
         int wi = 0;
-        ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, sr, L.rank, el) &&
-             ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, sr, L.rank, wi) &&
-             ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, sr, L.rank, col);
+        ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
+             ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
+             ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);
         w = __int_as_float(wi);
         if (el < 0 || el >= L.El) col = -1;
       }

@@ -215,7 +215,7 @@ def eager_plan(cap):
     return [[0, 1, few], [cap, few, 1], [few, 0, cap], [1, cap, 0]]
 
 
-def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP):
+def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_copy=False):
     import torch.distributed as dist
 
     import torch_afdep as ta
@@ -242,9 +242,13 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP):
             ws = first[me].weights.to(dev)
             scs = None if first[me].x_scales is None else first[me].x_scales.to(dev)
 
+            # zero_copy (one FFN rank): the graph's result is the view of the combine inbox
+            # that the collect writes (and the poison below overwrites before each replay)
+            zc = zero_copy and f_n == 1
+
             def step():
                 buf.source_dispatch(xs, ids, ws, bucket, scs)
-                return buf.source_collect()
+                return buf.source_collect(zero_copy=zc)
         else:
             f = buf.role_index
 
@@ -374,10 +378,10 @@ def test_token_layout_controls(layout, dtype_name):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP):
+def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False):
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
-                                  cap, env=env, timeout=240)
+                                  cap, zero_copy, env=env, timeout=240)
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
@@ -405,18 +409,20 @@ def test_token_layout_graphs_previous_defaults(layout, dtype_name):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_ll_small_graphs(layout, dtype_name):
     """AFDEP_LL_SMALL=1 (experimental) with a bucket of 4 over the 2 channels, so that every
-    exchange sends flagged units (at most 2 tokens per channel): test_token_layout_graphs'
-    eager plan (T 0, 1, 3, 4 per Attention rank) and 100 checked graph replays with hostile
-    ids; the FFN's receive moves every row into its slot of the window (one view
-    throughout)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4)
+    exchange sends flagged units both ways (at most 2 tokens per channel): test_token_layout_
+    graphs' eager plan (T 0, 1, 3, 4 per Attention rank) and 100 checked graph replays with
+    hostile ids; the FFN's receive moves every row into its slot of the window (one view
+    throughout); with one FFN rank the graphs collect zero-copy (the collect moves the reply
+    units into the inbox row the caller's view reads), the eager exchanges with a copy."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4,
+                             zero_copy=True)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 def test_token_layout_ll_small_sanitizer_small(dtype_name):
     """The flagged units under compute-sanitizer memcheck: 1A1F, bucket 4, eager plan and 10
-    checked graph replays with hostile ids."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4,
+    checked graph replays with hostile ids (collected zero-copy)."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
                                   env={"AFDEP_LL_SMALL": "1"}, timeout=900)
     _check_small(res, dtype_name)
 

@@ -31,8 +31,8 @@ namespace afdep {
   X(EARLY_LOADS, 13)        /* small T: independent global loads issued together at the       \
                                kernels' start */                                              \
   X(LL_SMALL, 14)           /* token layout, at most kLLTokens per channel: the dispatch's    \
-                               words travel in flagged 8-byte units, no fence, no count flag  \
-                               (experimental) */
+                               words and the reply's rows travel in flagged 8-byte units, no  \
+                               fence and no flag in front of them (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
@@ -189,6 +189,10 @@ struct Layout {
   int64_t ll_token_units;       // one token's units: metadata, row words, scales (even)
   int64_t ll_region_units;      // 2 (count, ahead | bucket) + kLLTokens tokens
   int64_t off_comb;             // combine inbox [nsrc_c][C][H] bf16 (Attention, or union)
+  int64_t off_llc_start;        // F_LL_SMALL reply: u64 units [F][2] per FFN index: the
+                                // reply started (its receive done): ffn bucket | 0, sender bucket
+  int64_t off_llc;              // F_LL_SMALL reply rows: u64 units [F][llc_tokens][H / 2]
+  int llc_tokens;               // tokens a collect may take as units: kLLTokens * S
   int64_t signal_bytes, dispatch_bytes, combine_bytes, window_bytes;
   // device pointers
   const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
@@ -249,6 +253,14 @@ inline void compute_offsets(Layout& L) {
   // combine inbox (shares the data area's start: one role uses one of the two)
   L.off_comb = L.off_data;
   L.combine_bytes = round_up((int64_t)L.nsrc_c * L.C * L.H * 2, 256);
+  L.llc_tokens = kLLTokens * L.S;
+  L.off_llc_start = L.off_llc = 0;
+  if (L.ll) {  // the reply's units, behind the inbox (FFN-indexed in either layout)
+    L.off_llc_start = L.off_comb + L.combine_bytes;
+    L.combine_bytes += round_up((int64_t)L.F * 2 * 8, 256);
+    L.off_llc = L.off_comb + L.combine_bytes;
+    L.combine_bytes += round_up((int64_t)L.F * L.llc_tokens * (L.H / 2) * 8, 256);
+  }
   int64_t data;
   if (role) {
     data = L.is_ffn ? L.dispatch_bytes : L.combine_bytes;
