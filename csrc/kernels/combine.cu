@@ -125,39 +125,6 @@ __device__ __forceinline__ void report_mismatch(const Layout& L, const CombineAr
   st->seq = n;
 }
 
-// reply_token_rows with F_EARLY_LOADS: each warp loads its chunk of the row together with the
-// row's token index (the row is the caller's, always readable), then stores it only if the
-// row holds a token, so the store waits for one load latency instead of two.
-__device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int nch, int cv,
-                                       int gw, int nw, int lane, int src_idx) {
-  constexpr int U = 4;  // vectors per lane loaded up front (a chunk of 128 vectors)
-  const int nv = L.H / 8;
-  const int nrows = L.A * a.rps;
-  const int4* rows = static_cast<const int4*>(a.rows);
-  for (int u = gw; u < nrows * nch; u += nw) {
-    const int h = u % nch, row = u / nch;
-    const int v0 = h * cv, v1 = min(nv, v0 + cv);
-    const int4* src = rows + (size_t)row * nv;
-    const int tok = a.src_token[row];
-    int4 v[U];
-#pragma unroll
-    for (int q = 0; q < U; ++q)
-      if (v0 + lane + 32 * q < v1) v[q] = ld_nc_v4(src + v0 + lane + 32 * q);
-    if (tok < 0) continue;
-    if (tok >= L.C) {
-      if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
-      continue;
-    }
-    int4* dst = reinterpret_cast<int4*>(peer_base(L, L.rank_of_attn[row / a.rps]) + L.off_comb) +
-                ((size_t)src_idx * L.C + tok) * nv;
-#pragma unroll
-    for (int q = 0; q < U; ++q)
-      if (v0 + lane + 32 * q < v1) dst[v0 + lane + 32 * q] = v[q];
-    if (v0 + 32 * U < v1)
-      warp_copy16<false>(dst + v0 + 32 * U, src + v0 + 32 * U, v1 - v0 - 32 * U, lane);
-  }
-}
-
 // ---- F_LL_SMALL reply: flagged units (common.cuh) -----------------------------------------
 // Token layout, ceil(bucket / S) <= kLLTokens: the FFN writes, into each Attention rank's
 // window, its start units (its receive is done; the bucket words of a mismatch) and every
@@ -177,11 +144,13 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
          ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
 }
 
-// reply_token_rows_early with flagged units: each warp loads its chunk of the row with the
-// row's token index, then stores it as units into the token's row units at its source.
-__device__ void reply_token_rows_ll(const Layout& L, const CombineArgs& a, int nch, int cv,
-                                    int gw, int nw, int lane, uint32_t llf) {
-  constexpr int U = 4;
+// reply_token_rows with F_EARLY_LOADS: each warp loads its chunk of the row together with the
+// row's token index (the row is the caller's, always readable), then stores it only if the
+// row holds a token, so the store waits for one load latency instead of two. llf != 0
+// (F_LL_SMALL): the chunk goes into the token's row units at its source, flagged llf.
+__device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int nch, int cv,
+                                       int gw, int nw, int lane, int src_idx, uint32_t llf) {
+  constexpr int U = 4;  // vectors per lane loaded up front (a chunk of 128 vectors)
   const int nv = L.H / 8;
   const int nrows = L.A * a.rps;
   const int4* rows = static_cast<const int4*>(a.rows);
@@ -195,24 +164,35 @@ __device__ void reply_token_rows_ll(const Layout& L, const CombineArgs& a, int n
     for (int q = 0; q < U; ++q)
       if (v0 + lane + 32 * q < v1) v[q] = ld_nc_v4(src + v0 + lane + 32 * q);
     if (tok < 0) continue;
-    if (tok >= L.llc_tokens) {  // not a receipt's row (tok < T <= bucket <= llc_tokens)
+    // not a receipt's row: never write outside the inbox (units: tok < T <= llc_tokens)
+    if (tok >= (llf ? L.llc_tokens : L.C)) {
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
-    uint64_t* dst = llc_row(L, peer_base(L, L.rank_of_attn[row / a.rps]), L.my_index, tok);
+    char* base = peer_base(L, L.rank_of_attn[row / a.rps]);
+    if (llf) {
+      uint64_t* dst = llc_row(L, base, L.my_index, tok);
 #pragma unroll
-    for (int q = 0; q < U; ++q) {
-      const int i = v0 + lane + 32 * q;
-      if (i < v1) {
-        st_ll2(dst + 4 * (size_t)i, v[q].x, v[q].y, llf);
-        st_ll2(dst + 4 * (size_t)i + 2, v[q].z, v[q].w, llf);
+      for (int q = 0; q < U; ++q) {
+        const int i = v0 + lane + 32 * q;
+        if (i < v1) {
+          st_ll2(dst + 4 * (size_t)i, v[q].x, v[q].y, llf);
+          st_ll2(dst + 4 * (size_t)i + 2, v[q].z, v[q].w, llf);
+        }
       }
+      for (int i = v0 + lane + 32 * U; i < v1; i += 32) {
+        const int4 x = ld_nc_v4(src + i);
+        st_ll2(dst + 4 * (size_t)i, x.x, x.y, llf);
+        st_ll2(dst + 4 * (size_t)i + 2, x.z, x.w, llf);
+      }
+      continue;
     }
-    for (int i = v0 + lane + 32 * U; i < v1; i += 32) {
-      const int4 x = ld_nc_v4(src + i);
-      st_ll2(dst + 4 * (size_t)i, x.x, x.y, llf);
-      st_ll2(dst + 4 * (size_t)i + 2, x.z, x.w, llf);
-    }
+    int4* dst = reinterpret_cast<int4*>(base + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
+#pragma unroll
+    for (int q = 0; q < U; ++q)
+      if (v0 + lane + 32 * q < v1) dst[v0 + lane + 32 * q] = v[q];
+    if (v0 + 32 * U < v1)
+      warp_copy16<false>(dst + v0 + 32 * U, src + v0 + 32 * U, v1 - v0 - 32 * U, lane);
   }
 }
 
@@ -260,9 +240,9 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   char* mine = peer_base(L, L.rank);
   const int4* inbox = reinterpret_cast<const int4*>(mine + L.off_comb);
-  int4* dst = a.in_place
-                  ? const_cast<int4*>(inbox) + ((size_t)(role ? 0 : L.rank_of_ffn[0]) * L.C + t) * nv
-                  : static_cast<int4*>(a.out) + (size_t)t * nv;
+  const int src0 = role ? 0 : L.rank_of_ffn[0];
+  int4* dst = a.in_place ? const_cast<int4*>(inbox) + ((size_t)src0 * L.C + t) * nv
+                         : static_cast<int4*>(a.out) + (size_t)t * nv;
   for (int i = v0 + lane; i < v1; i += 32) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int4 one = make_int4(0, 0, 0, 0);  // F == 1: the row as is (zeros when not routed)
@@ -372,16 +352,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
       // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
       // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
-      const bool ll = L.ll && a.tokens && a.rps <= L.llc_tokens;
-      if (ll) {
-        const uint32_t llf = ll_flag(n);
-        for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x) {
-          const int sb = L.mismatch[ai];
-          st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
-        }
-        reply_token_rows_ll(L, a, nch, cv, gw, nw, lane, llf);
-      } else if (a.tokens) {
-        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx);
+      const uint32_t llf = L.ll && a.tokens && a.rps <= L.llc_tokens ? ll_flag(n) : 0u;
+      for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
+        const int sb = L.mismatch[ai];
+        st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
+      }
+      if (a.tokens) {
+        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {
