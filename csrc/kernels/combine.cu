@@ -198,9 +198,10 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 
 // Attention, F_LL_SMALL collect: FFN index f's start units (its rows come as units), or its
 // completion count (it sent the count form: no units). s_llc[f] = the form (1 units, 0 count),
-// s_llc[kMaxFfn + f] and s_llc[2 * kMaxFfn + f] the start units' words. A count seen first is
-// fenced after and the start units read again: they may have landed behind it. Returns the
-// form, or -1 at the deadline (reported).
+// s_llc[kMaxFfn + f] and s_llc[2 * kMaxFfn + f] the start units' words. The count is polled
+// relaxed and, once reached, read again with acquire, then the start units once more: they
+// may have landed behind it (the FFN fences them before its count). Returns the form, or -1 at
+// the deadline (reported).
 __device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t llf,
                              uint64_t deadline, int* s_llc) {
   char* mine = peer_base(L, L.rank);
@@ -214,9 +215,8 @@ __device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t l
     ld_ll2(u, v0, v1);
     if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
       form = 1;
-    } else if (ld_ll(done) >= target) {
-      fence_acq_rel_sys();
-      ld_ll2(u, v0, v1);
+    } else if (ld_ll(done) >= target && ld_acquire_sys(done) >= target) {
+      ld_ll2(u, v0, v1);  // after the acquire: the start units, if sent, are visible
       form = ll_fresh(v0, llf) && ll_fresh(v1, llf) ? 1 : 0;
     } else if (ll_give_up(spins, deadline, L.err, kPhaseCombine, sr, L.rank)) {
       return -1;
