@@ -210,6 +210,13 @@ def test_pdl_reverted_eager(layout, cap, hidden, dtype):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=NO_PDL, seed=9)
 
 
+# the eager cases and graph cells that the small-batch controls' tests share
+EAGER_SMALL = [c for c in CASES if c[0] == "1A1F"] + [("2A2F", 128, 4096, "bfloat16"),
+                                                     ("3A1F", 128, 2048, "float8_e4m3fn")]
+GRAPH_CELLS = [("bfloat16", 8, 1), ("bfloat16", 128, 128), ("float8_e4m3fn", 2048, 1180)]
+GRAPH_IDS = ["bf16-T1", "bf16-T128", "fp8-T1180"]
+
+
 def graph_replays_1a1f(dtype, bucket, tokens, env, seed):
     """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh inputs each."""
     kw = cfg_kw("1A1F", bucket, 2048, dtype)
@@ -239,9 +246,7 @@ def test_one_fence_reverted_eager(layout, cap, hidden, dtype, env):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=11)
 
 
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 8, 1), ("bfloat16", 128, 128),
-                                                 ("float8_e4m3fn", 2048, 1180)],
-                         ids=["bf16-T1", "bf16-T128", "fp8-T1180"])
+@pytest.mark.parametrize("dtype,bucket,tokens", GRAPH_CELLS, ids=GRAPH_IDS)
 def test_sized_defaults_graph_replays(dtype, bucket, tokens):
     """The sized grid (S CTAs below 32 tokens) with the defaults (PDL, one fence per signal,
     early loads: the early reply path with S CTAs) inside captured graphs: 100 checked
@@ -250,8 +255,7 @@ def test_sized_defaults_graph_replays(dtype, bucket, tokens):
 
 
 @pytest.mark.parametrize("env", [NO_EARLY, PREVIOUS], ids=["reverted", "previous_defaults"])
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
-                         + [("2A2F", 128, 4096, "bfloat16"), ("3A1F", 128, 2048, "float8_e4m3fn")])
+@pytest.mark.parametrize("layout,cap,hidden,dtype", EAGER_SMALL)
 def test_early_loads_reverted_eager(layout, cap, hidden, dtype, env):
     """AFDEP_EARLY_LOADS=0 (each load after the one it follows: ids in the claim, rows after
     it; header then entries; counts, then rows; route after the wait), alone and with PDL and
@@ -271,8 +275,7 @@ def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
     graph_replays_1a1f(dtype, bucket, tokens, NO_EARLY, 9100)
 
 
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
-                         + [("2A2F", 128, 4096, "bfloat16"), ("3A1F", 128, 2048, "float8_e4m3fn")])
+@pytest.mark.parametrize("layout,cap,hidden,dtype", EAGER_SMALL)
 def test_relaxed_poll_eager(layout, cap, hidden, dtype):
     """AFDEP_RELAXED_POLL=1 (experimental): the FFN's count wait and the Attention's reply
     wait poll relaxed and acquire once at the end; back-to-back exchanges of the plan (T 0 ...
@@ -281,9 +284,7 @@ def test_relaxed_poll_eager(layout, cap, hidden, dtype):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=RELAXED, seed=15)
 
 
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 8, 1), ("bfloat16", 128, 128),
-                                                 ("float8_e4m3fn", 2048, 1180)],
-                         ids=["bf16-T1", "bf16-T128", "fp8-T1180"])
+@pytest.mark.parametrize("dtype,bucket,tokens", GRAPH_CELLS, ids=GRAPH_IDS)
 def test_relaxed_poll_graph_replays(dtype, bucket, tokens):
     """AFDEP_RELAXED_POLL=1 inside captured graphs: 100 checked replays, fresh inputs each."""
     graph_replays_1a1f(dtype, bucket, tokens, RELAXED, 9200)
