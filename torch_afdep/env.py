@@ -123,11 +123,6 @@ _CONTROLS = (
              "moves the rows into their slots of the receive window, the zero-copy collect "
              "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
              "0 = the payload, then a fence and the count flag"),
-    _control("AFDEP_RELAXED_POLL", 15, 0,
-             "experimental, off by default: the receivers' main waits (the FFN's count "
-             "flags, the Attention's reply counts) poll with relaxed loads and read the flag "
-             "once more with acquire when it has arrived, instead of an acquire load (an L1 "
-             "invalidation) on every spin; 0 = acquire polls"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -481,8 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int i = tid; i < nsrc && ok; i += blockDim.x) {
         const int sr = all_peers ? i : L.rank_of_ffn[i];
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr,
-                      target, deadline, L.err, kPhaseCombine, sr, L.rank,
-                      (fl & F_RELAXED_POLL) != 0);
+                      target, deadline, L.err, kPhaseCombine, sr, L.rank);
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
     }

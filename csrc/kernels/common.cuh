@@ -219,22 +219,12 @@ __device__ __forceinline__ void report_route(ErrorBlock* err, long long bad_id, 
 }
 
 // Spin until *p >= target or the deadline passes. Returns false on timeout (and reports it).
-// relaxed (F_RELAXED_POLL, the receivers' main waits): each spin is a relaxed load and only
-// the read that ends the wait an acquire; an acquire load is LDG.STRONG.SYS plus an L1
-// invalidation (CCTL.IVALL) on every spin of every polling thread.
 __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, uint64_t deadline,
-                                         ErrorBlock* err, int phase, int peer, int rank,
-                                         bool relaxed = false) {
-  if (!relaxed && ld_acquire_sys(p) >= target) return true;
+                                         ErrorBlock* err, int phase, int peer, int rank) {
+  if (ld_acquire_sys(p) >= target) return true;
   uint32_t spins = 0;
   while (true) {
-    if (relaxed) {
-      uint64_t v;
-      asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-      if (v >= target && ld_acquire_sys(p) >= target) return true;
-    } else if (ld_acquire_sys(p) >= target) {
-      return true;
-    }
+    if (ld_acquire_sys(p) >= target) return true;
     if ((++spins & 31u) == 0) {
       if (global_timer_ns() > deadline) {
         report_timeout(err, phase, peer, rank);

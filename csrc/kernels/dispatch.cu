@@ -877,7 +877,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         const int sr = all_peers ? i / L.S : L.rank_of_attn[i / L.S];
         const int ch = i % L.S;
         ok = wait_geq(reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch)), n,
-                      deadline, L.err, kPhaseDispatch, sr, L.rank, (fl & F_RELAXED_POLL) != 0);
+                      deadline, L.err, kPhaseDispatch, sr, L.rank);
         if (ok && count_first && rwo)
           ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
                         kPhaseDispatch, sr, L.rank);

@@ -34,7 +34,6 @@ NO_PDL = {"AFDEP_PDL": "0"}
 NO_ONE_FENCE = {"AFDEP_ONE_FENCE": "0"}
 NO_EARLY = {"AFDEP_EARLY_LOADS": "0"}
 PREVIOUS = devices.PREVIOUS_DEFAULTS
-RELAXED = {"AFDEP_RELAXED_POLL": "1"}  # experimental: relaxed polls, one acquire at the end
 
 # layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
 LAYOUTS = {name: (f, a, rank_devices(f + a), e) for name, (f, a, e) in {
@@ -117,12 +116,11 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY), ("AFDEP_TEST_REPLY_DELAY_MS", RELAXED),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", RELAXED)],
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-sized_grid", "dispatch-stream_expansion", "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
-         "dispatch-no_early_loads", "reply-relaxed_poll", "dispatch-relaxed_poll"])
+         "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -273,21 +271,6 @@ def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
     """AFDEP_EARLY_LOADS=0 inside captured graphs: 100 checked replays, fresh inputs each (the
     default's early paths at T 1 and 7: test_cuda_graph_replays and the others)."""
     graph_replays_1a1f(dtype, bucket, tokens, NO_EARLY, 9100)
-
-
-@pytest.mark.parametrize("layout,cap,hidden,dtype", EAGER_SMALL)
-def test_relaxed_poll_eager(layout, cap, hidden, dtype):
-    """AFDEP_RELAXED_POLL=1 (experimental): the FFN's count wait and the Attention's reply
-    wait poll relaxed and acquire once at the end; back-to-back exchanges of the plan (T 0 ...
-    bucket) stay exact (the delayed-sender regressions: test_receiver_never_reads_the_...)."""
-    kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=RELAXED, seed=15)
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", GRAPH_CELLS, ids=GRAPH_IDS)
-def test_relaxed_poll_graph_replays(dtype, bucket, tokens):
-    """AFDEP_RELAXED_POLL=1 inside captured graphs: 100 checked replays, fresh inputs each."""
-    graph_replays_1a1f(dtype, bucket, tokens, RELAXED, 9200)
 
 
 def test_flag_round_trip_probe():
