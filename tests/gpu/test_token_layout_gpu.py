@@ -41,13 +41,13 @@ CAP, HIDDEN, EXPERTS, TOP_K, SMS = 128, 2048, 12, 4, 2
 REPLAYS = 100
 
 
-def _config(a_n, f_n, dtype_name, cap=CAP):
+def _config(a_n, f_n, dtype_name, cap=CAP, timeout_s=30.0):
     import torch_afdep as ta
 
     return ta.Config(capacity_tokens_per_rank=cap, hidden_size=HIDDEN, num_experts=EXPERTS,
                      top_k=TOP_K, ffn_ranks=f_n, attention_ranks=a_n,
                      dtype=getattr(torch, dtype_name), num_sms=SMS, receive_layout="tokens",
-                     timeout_s=30.0)
+                     timeout_s=timeout_s)
 
 
 def _expert(e, rows):
@@ -320,6 +320,134 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_c
     return out
 
 
+# The kill worlds' bucket: ceil(4 / SMS) = 2 tokens per channel, the flagged units' size
+KILL_CAP, KILL_BUCKET = 8, 4
+
+
+def token_kill_body(rank, world, a_n, f_n, outdir, scenario):
+    """A rank dies (os._exit) mid-exchange in the token layout, after two healthy exchanges
+    through the Buffer API, in transport_bodies.kill_body's two scenarios. Each survivor
+    records its wait (the waiting op's kernel ends at its deadline) and the AfdepTimeoutError
+    its next op raises, then closes without its peers. Attention index a sends KILL_BUCKET
+    tokens (a even) or 1 (a odd)."""
+    import time
+
+    import torch_afdep as ta
+    from tests.helpers import transport_bodies as hb
+
+    cfg = _config(a_n, f_n, "bfloat16", KILL_CAP, timeout_s=hb.KILL_TIMEOUT_S)
+    dev = devices.world_device()
+    buf = ta.Buffer(None, cfg, device=dev)
+    rec = {"rank": rank, "healthy": [], "victim": False}
+    hb.save_rank_record(outdir, rank, rec)
+    death = os.path.join(outdir, "death")
+    ffn, att = cfg.ffn_group_ranks, cfg.attention_group_ranks
+    tokens = [KILL_BUCKET if a % 2 == 0 else 1 for a in range(a_n)]
+
+    def inputs(n):
+        return [_inputs(cfg, a, tokens[a], 300 + n) for a in range(a_n)]
+
+    def exchange(n):
+        """One checked exchange (raises unless exact); True."""
+        out = {"errors": [], "problems": [], "views": set()}
+        _eager_exchange(buf, cfg, inputs(n), KILL_BUCKET, out, f"exchange {n}")
+        assert out["problems"] == [], out["problems"][:4]
+        assert all(e < _tol("bfloat16") for _, e in out["errors"]), out["errors"]
+        return True
+
+    def dispatch(n):
+        inp = inputs(n)[buf.role_index]
+        buf.source_dispatch(inp.x.to(dev), inp.expert_ids.to(dev), inp.weights.to(dev),
+                            KILL_BUCKET)
+
+    def waited(wait_op, next_op):
+        """Run the op that waits (on CUDA its kernel ends at its deadline; the CPU transport
+        raises inside the op), then the next op: the error either raises, and how long after
+        the wait began. ``wait_op`` returns what ``next_op`` takes."""
+        t0 = time.monotonic()
+        w = {"type": None}
+        try:
+            got = wait_op()
+            devices.sync(dev)
+            w["elapsed"] = time.monotonic() - t0
+            next_op(got)
+        except Exception as e:  # noqa: BLE001 (recorded; the test asserts the type)
+            w.update(type=type(e).__name__, message=str(e), peer=getattr(e, "peer", None),
+                     phase=getattr(e, "phase", None), rank=getattr(e, "rank", None))
+        w.setdefault("elapsed", time.monotonic() - t0)
+        if os.path.exists(death):
+            with open(death) as f:
+                w["after_death"] = time.time() - float(f.read())
+        return w
+
+    def receive():
+        return buf.worker_receive(KILL_BUCKET)
+
+    def reply(r):
+        buf.worker_reply(device_expert_rows(cfg, buf.role_index, r), r.receipt)
+
+    try:
+        for n in range(2):
+            rec["healthy"].append(exchange(n))
+        import torch.distributed as dist
+
+        dist.barrier()
+        hb.save_rank_record(outdir, rank, rec)
+        n = 2
+        if scenario == "ffn_after_receive":
+            if rank == ffn[0]:
+                buf.worker_receive(KILL_BUCKET)
+                devices.sync(dev)  # every Attention rank's dispatch n arrived
+                rec["victim"] = True
+                hb.save_rank_record(outdir, rank, rec)
+                hb._touch(death)
+                os._exit(1)
+            if buf.role == "ffn":
+                rec["exchange_n"] = exchange(n)
+                hb.save_rank_record(outdir, rank, rec)
+                rec["wait"] = waited(receive, reply)  # n + 1: no Attention rank sends it
+            else:
+                dispatch(n)
+                rec["wait"] = waited(buf.source_collect, lambda _: dispatch(n + 1))
+        elif scenario == "attention_before_collect":
+            replied = [os.path.join(outdir, f"waiting{r}") for r in ffn]
+            if rank == att[0]:
+                dispatch(n)
+                devices.sync(dev)
+                rec["victim"] = True
+                rec["saw_ffn_waiting"] = hb._wait_files(replied, cfg.timeout_s + 60.0)
+                hb.save_rank_record(outdir, rank, rec)
+                time.sleep(0.2)  # the FFN ranks' receive n + 1 kernels are spinning by now
+                hb._touch(death)
+                os._exit(1)
+            if buf.role == "ffn":
+                exchange(n)  # the victim's rows of n are answered before it dies
+                def receive_then_say_so():  # n + 1: the victim never dispatches it
+                    r = receive()
+                    hb._touch(os.path.join(outdir, f"waiting{rank}"))
+                    return r
+
+                rec["wait"] = waited(receive_then_say_so, reply)
+            else:
+                rec["exchange_n"] = exchange(n)
+                dispatch(n + 1)  # no FFN rank replies to it
+                rec["wait"] = waited(buf.source_collect, lambda _: dispatch(n + 2))
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        hb.save_rank_record(outdir, rank, rec)
+        t0 = time.monotonic()
+        buf.close()  # after the failure: frees without meeting its peers
+        rec["close_s"] = time.monotonic() - t0
+    except BaseException:
+        import traceback
+
+        rec["error"] = traceback.format_exc()
+        hb.save_rank_record(outdir, rank, rec)
+        raise
+    hb.save_rank_record(outdir, rank, rec)
+    return rec
+
+
 def _arms():
     from torch_afdep import env
 
@@ -446,3 +574,24 @@ def _check_small(res, dtype_name):
         assert not bad, (r, bad[:5])
         assert out["replays"] == 10, (r, out["replays"])
     assert sum(o["route_errors"] for o in res) >= 1  # the hostile replays were reported
+
+
+@pytest.mark.parametrize("arm", ["defaults", "ll_small"])
+@pytest.mark.parametrize("layout,scenario", [("1A1F", "ffn_after_receive"),
+                                             ("1A1F", "attention_before_collect"),
+                                             ("2A2F", "ffn_after_receive"),
+                                             ("2A2F", "attention_before_collect")])
+def test_token_layout_rank_killed(layout, scenario, arm, tmp_path):
+    """The token layout's kill test (the expert layout's: test_transport_faults.py, same
+    scenarios and checks): a rank dies mid-exchange after two healthy, checked exchanges at
+    2 tokens per channel; every survivor's wait ends at its deadline, its next op raises
+    AfdepTimeoutError naming the dead peer (or, for a rank that waits for a survivor that
+    gave up, a peer of the other role) and the phase, and it closes without its peers in
+    < 2 s. ll_small: the flagged units carry dispatch and reply (their waits spin on units)."""
+    from tests.helpers import transport_bodies as hb
+
+    a_n, f_n = LAYOUTS[layout]
+    env = {"AFDEP_LL_SMALL": "1"} if arm == "ll_small" else {}
+    w = hb.run_kill_world(token_kill_body, a_n + f_n, (a_n, f_n, str(tmp_path), scenario),
+                          str(tmp_path), env=env)
+    hb.check_kill_outcome(w, list(range(f_n)), list(range(f_n, f_n + a_n)), scenario)

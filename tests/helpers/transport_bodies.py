@@ -329,6 +329,84 @@ def load_record(outdir: str, rank: int) -> dict:
     return load_rank_record(outdir, rank, missing={})
 
 
+KILL_TIMEOUT_S = 3.0  # timeout_s of the kill worlds
+KILL_SLACK_S = 2.0  # how much later than timeout_s a survivor may see its error
+KILL_WORLD_TIMEOUT = 240.0  # spawn_world's own limit; a kill world must end well before it
+
+
+def run_kill_world(body, world, args, outdir, device_ids=None, env=None):
+    """Spawn a world in which one rank dies (``body(rank, world, *args)``, recording into
+    ``outdir``); returns spawn_world's message, the elapsed time, the children left and every
+    rank's record."""
+    import multiprocessing
+
+    import pytest
+
+    from torch_afdep.testing import WorldError
+
+    from . import devices
+
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        devices.spawn_gpu_world(body, world, *args, device_ids=device_ids,
+                                env={**devices.GPU_ENV, **(env or {})},
+                                timeout=KILL_WORLD_TIMEOUT)
+    return {"message": str(info.value), "elapsed": time.monotonic() - t0,
+            "children": multiprocessing.active_children(),
+            "records": [load_record(outdir, r) for r in range(world)]}
+
+
+def check_wait(rec, peers, phase) -> None:
+    """A survivor's recorded wait: AfdepTimeoutError naming a peer of ``peers``, the phase and
+    its own rank, after its whole deadline (no early, spurious error) and not much later."""
+    w = rec.get("wait")
+    assert w is not None, f"rank {rec.get('rank')} recorded no wait: {rec.get('error', rec)}"
+    assert w["type"] == "AfdepTimeoutError", w
+    assert w["phase"] == phase and w["peer"] in peers and w["rank"] == rec["rank"], w
+    assert f"rank {w['peer']}" in w["message"] and phase in w["message"], w
+    assert KILL_TIMEOUT_S - 0.2 <= w["elapsed"] <= KILL_TIMEOUT_S + KILL_SLACK_S, w
+    if "after_death" in w:
+        assert w["after_death"] <= KILL_TIMEOUT_S + KILL_SLACK_S, w
+
+
+def check_kill_outcome(w, ffn, att, scenario, healthy=2) -> None:
+    """What ``run_kill_world`` returned, for kill_body's two scenarios (any body that records
+    the same fields): only the victim failed the world, nothing is left behind, every rank
+    checked the healthy exchanges, every survivor raised what its wait allows and closed
+    without its peers in < 2 s. ``ffn``, ``att``: the group ranks of each role."""
+    victim = ffn[0] if scenario == "ffn_after_receive" else att[0]
+    assert f"--- rank {victim} failed:" in w["message"], w["message"]
+    assert "process exited with code 1" in w["message"], w["message"]
+    survivors = [r for r in sorted(ffn + att) if r != victim]
+    for r in survivors:
+        assert f"--- rank {r} failed:" not in w["message"], w["message"]
+    assert w["children"] == []
+    assert w["elapsed"] < KILL_WORLD_TIMEOUT - 60, w["elapsed"]
+    recs = w["records"]
+    assert recs[victim].get("victim") is True, recs[victim]
+    for r in ffn + att:  # the healthy exchanges before the fault were checked everywhere
+        assert recs[r].get("healthy", []) == [True] * healthy, recs[r]
+    if scenario == "attention_before_collect":
+        assert recs[victim].get("saw_ffn_waiting") is True, recs[victim]
+    for r in survivors:
+        rec = recs[r]
+        assert "error" not in rec, rec["error"]
+        if scenario == "ffn_after_receive":
+            if r in att:
+                check_wait(rec, [victim], "combine")
+            else:
+                assert rec.get("exchange_n") is True, rec
+                check_wait(rec, att, "dispatch")
+        else:
+            if r in ffn:
+                check_wait(rec, [victim], "dispatch")
+                assert "after_death" in rec["wait"], rec
+            else:
+                assert rec.get("exchange_n") is True, rec
+                check_wait(rec, ffn, "combine")
+        assert rec.get("close_s", 99.0) < 2.0, rec
+
+
 def _touch(path: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(repr(time.time()))
@@ -439,7 +517,8 @@ def kill_body(rank, world, cfg_kw, outdir, scenario, healthy=2):
     ffn_ranks, att_ranks = cfg.ffn_group_ranks, cfg.attention_group_ranks
     try:
         for n in range(healthy):
-            rec["healthy"].append(bool(ex.whole(n)) if role == FFN else ex.whole(n))
+            ex.whole(n)  # raises unless exact
+            rec["healthy"].append(True)
         dist.barrier()
         _save(outdir, rank, rec)
         n = healthy
@@ -489,7 +568,8 @@ def kill_body(rank, world, cfg_kw, outdir, scenario, healthy=2):
             else:
                 ex.dispatch(n)
                 ex.combine()
-                rec["exchange_n"] = ex.check_attention(n)
+                ex.check_attention(n)  # raises unless exact
+                rec["exchange_n"] = True
                 _save(outdir, rank, rec)
                 ex.dispatch(n + 1)
                 t0 = time.monotonic()
