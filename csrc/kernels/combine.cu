@@ -175,16 +175,10 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 #pragma unroll
       for (int q = 0; q < U; ++q) {
         const int i = v0 + lane + 32 * q;
-        if (i < v1) {
-          st_ll2(dst + 4 * (size_t)i, v[q].x, v[q].y, llf);
-          st_ll2(dst + 4 * (size_t)i + 2, v[q].z, v[q].w, llf);
-        }
+        if (i < v1) st_ll_vec(dst + 4 * (size_t)i, v[q], llf);
       }
-      for (int i = v0 + lane + 32 * U; i < v1; i += 32) {
-        const int4 x = ld_nc_v4(src + i);
-        st_ll2(dst + 4 * (size_t)i, x.x, x.y, llf);
-        st_ll2(dst + 4 * (size_t)i + 2, x.z, x.w, llf);
-      }
+      for (int i = v0 + lane + 32 * U; i < v1; i += 32)
+        st_ll_vec(dst + 4 * (size_t)i, ld_nc_v4(src + i), llf);
       continue;
     }
     int4* dst = reinterpret_cast<int4*>(base + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;

@@ -287,6 +287,12 @@ __device__ __forceinline__ void st_ll2(uint64_t* p, int w0, int w1, uint32_t fla
                : "memory");
 }
 
+// one 16-byte row vector as four units at a 16-byte aligned p (read back by wait_ll_vec)
+__device__ __forceinline__ void st_ll_vec(uint64_t* p, int4 v, uint32_t flag) {
+  st_ll2(p, v.x, v.y, flag);
+  st_ll2(p + 2, v.z, v.w, flag);
+}
+
 __device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

@@ -192,9 +192,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       const int slot = s_slot[i * L.F + fd];
       if (slot < 0) continue;
       if (llf) {
-        uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col;
-        st_ll2(u, p.v[j].x, p.v[j].y, llf);
-        st_ll2(u + 2, p.v[j].z, p.v[j].w, llf);
+        st_ll_vec(ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col,
+                  p.v[j], llf);
         continue;
       }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;

@@ -331,6 +331,9 @@ def token_kill_body(rank, world, a_n, f_n, outdir, scenario):
     its next op raises, then closes without its peers. Attention index a sends KILL_BUCKET
     tokens (a even) or 1 (a odd)."""
     import time
+    import traceback
+
+    import torch.distributed as dist
 
     import torch_afdep as ta
     from tests.helpers import transport_bodies as hb
@@ -389,8 +392,6 @@ def token_kill_body(rank, world, a_n, f_n, outdir, scenario):
     try:
         for n in range(2):
             rec["healthy"].append(exchange(n))
-        import torch.distributed as dist
-
         dist.barrier()
         hb.save_rank_record(outdir, rank, rec)
         n = 2
@@ -439,8 +440,6 @@ def token_kill_body(rank, world, a_n, f_n, outdir, scenario):
         buf.close()  # after the failure: frees without meeting its peers
         rec["close_s"] = time.monotonic() - t0
     except BaseException:
-        import traceback
-
         rec["error"] = traceback.format_exc()
         hb.save_rank_record(outdir, rank, rec)
         raise
