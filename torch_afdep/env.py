@@ -114,8 +114,8 @@ _CONTROLS = (
              "reply: every row's data with its token index, without waiting for the token "
              "counts; collect: the routes before the wait); 0 = each load after the one it "
              "follows in the code"),
-    _control("AFDEP_LL_SMALL", 14, 0,
-             "experimental, off by default: token layout, at most 2 tokens per channel "
+    _control("AFDEP_LL_SMALL", 14, 1,
+             "token layout, at most 2 tokens per channel "
              "(ceil(bucket / num_sms) <= 2, rows in the early loads' registers): the "
              "dispatch's count, metadata, rows and scales, and the reply's rows, travel as "
              "8-byte units, each a 32-bit word and the exchange number's low half, so no "

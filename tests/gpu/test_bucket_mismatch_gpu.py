@@ -59,12 +59,13 @@ CASES = {
     "sized_grid": ({"AFDEP_SIZED_GRID": "1"}, {}, EXCHANGES),
     "no_pdl": ({"AFDEP_PDL": "0"}, {}, EXCHANGES),
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
-    # the token layout, and its flagged units (AFDEP_LL_SMALL: at most 2 tokens per channel,
+    # the token layout in the count form (AFDEP_LL_SMALL=0), and its flagged units (the
+    # default: at most 2 tokens per channel,
     # buckets 4 and 8 over 4 channels) on both sides, or on one side only: the FFN (bucket 16,
     # 4 per channel) expects the count block while the Attention (bucket 4) sends units, and
     # replies in the count form to a collect that watches for units (T = 3 <= 2 x 4); and the
     # reverse (the FFN's start units tell the mismatch)
-    "tokens": ({}, dict(receive_layout="tokens"), EXCHANGES),
+    "tokens": ({"AFDEP_LL_SMALL": "0"}, dict(receive_layout="tokens"), EXCHANGES),
     "ll_small": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"), EXCHANGES),
     "ll_small_ffn_counts": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
                             [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),

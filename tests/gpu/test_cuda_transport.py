@@ -29,7 +29,8 @@ SYM = {"AFDEP_SYMMETRIC": "1"}
 SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
 # the small-batch changes (default 1) reverted: ordinary launches, a release flag after the
-# fence, each load after the one it follows; PREVIOUS reverts the three (the defaults before)
+# fence, each load after the one it follows; PREVIOUS reverts these three and the token
+# layout's flagged units (the defaults before them)
 NO_PDL = {"AFDEP_PDL": "0"}
 NO_ONE_FENCE = {"AFDEP_ONE_FENCE": "0"}
 NO_EARLY = {"AFDEP_EARLY_LOADS": "0"}

@@ -81,7 +81,7 @@ SCEN_2A2F = [
 ]
 
 
-# the defaults, and the three small-batch controls reverted (the defaults before them)
+# the defaults, and the four small-batch controls reverted (the defaults before them)
 PREVIOUS = devices.PREVIOUS_DEFAULTS
 
 

@@ -527,15 +527,15 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("3A1F", "float8_e4m3fn")])
 def test_token_layout_graphs_previous_defaults(layout, dtype_name):
     """test_token_layout_graphs (whose defaults preload the 3-token Attention rank's rows in
-    3A1F and load every reply row with its token index) with the three small-batch controls
-    reverted: AFDEP_PDL, AFDEP_ONE_FENCE and AFDEP_EARLY_LOADS at 0."""
+    3A1F and load every reply row with its token index) with the four small-batch controls
+    reverted: AFDEP_PDL, AFDEP_ONE_FENCE, AFDEP_EARLY_LOADS and AFDEP_LL_SMALL at 0."""
     test_token_layout_graphs(layout, dtype_name, env=devices.PREVIOUS_DEFAULTS)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_ll_small_graphs(layout, dtype_name):
-    """AFDEP_LL_SMALL=1 (experimental) with a bucket of 4 over the 2 channels, so that every
+    """AFDEP_LL_SMALL=1 (the default) with a bucket of 4 over the 2 channels, so that every
     exchange sends flagged units both ways (at most 2 tokens per channel): test_token_layout_
     graphs' eager plan (T 0, 1, 3, 4 per Attention rank) and 100 checked graph replays with
     hostile ids; the FFN's receive moves every row into its slot of the window (one view
@@ -575,7 +575,7 @@ def _check_small(res, dtype_name):
     assert sum(o["route_errors"] for o in res) >= 1  # the hostile replays were reported
 
 
-@pytest.mark.parametrize("arm", ["defaults", "ll_small"])
+@pytest.mark.parametrize("arm", ["defaults", "ll_off"])
 @pytest.mark.parametrize("layout,scenario", [("1A1F", "ffn_after_receive"),
                                              ("1A1F", "attention_before_collect"),
                                              ("2A2F", "ffn_after_receive"),
@@ -586,11 +586,12 @@ def test_token_layout_rank_killed(layout, scenario, arm, tmp_path):
     2 tokens per channel; every survivor's wait ends at its deadline, its next op raises
     AfdepTimeoutError naming the dead peer (or, for a rank that waits for a survivor that
     gave up, a peer of the other role) and the phase, and it closes without its peers in
-    < 2 s. ll_small: the flagged units carry dispatch and reply (their waits spin on units)."""
+    < 2 s. defaults: the flagged units carry dispatch and reply (their waits spin on units);
+    ll_off: AFDEP_LL_SMALL=0, the count block and flags."""
     from tests.helpers import transport_bodies as hb
 
     a_n, f_n = LAYOUTS[layout]
-    env = {"AFDEP_LL_SMALL": "1"} if arm == "ll_small" else {}
+    env = {"AFDEP_LL_SMALL": "0"} if arm == "ll_off" else {}
     w = hb.run_kill_world(token_kill_body, a_n + f_n, (a_n, f_n, str(tmp_path), scenario),
                           str(tmp_path), env=env)
     hb.check_kill_outcome(w, list(range(f_n)), list(range(f_n, f_n + a_n)), scenario)

@@ -23,8 +23,9 @@ from torch_afdep import env
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
 
-#: The three small-batch controls (default 1) reverted together: the defaults before them.
-PREVIOUS_DEFAULTS = {"AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0"}
+#: The four small-batch controls (default 1) reverted together: the defaults before them.
+PREVIOUS_DEFAULTS = {"AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0",
+                     "AFDEP_LL_SMALL": "0"}
 
 #: The devices of the contract suite, in parameter order.
 DEVICES = ("cpu", "cuda")
