@@ -19,6 +19,13 @@ start, completion) is split into "start stamp -> dispatch start" and "combine en
 stamp"; those two kernels add a few µs to the event latency here. ``--repeats`` runs fresh
 process groups per arm (slow and fast worlds differ at small T), and every stage reports its
 median, 90th percentile and maximum over the replays.
+
+``--exchanges-per-replay K`` captures K exchanges back to back in each graph (the second
+starts as soon as the first has collected, with no idle GPU between them) and reports each
+position on its own: position 0 is the usual cold exchange after the idle gap, positions >= 1
+show what the same stages cost with the kernels' code and data just used. The event latency
+then brackets all K; the start stamp's line belongs to position 0, the end stamp's to the last,
+and the outside-kernel line is left out.
 """
 
 from __future__ import annotations
@@ -71,9 +78,10 @@ STAGES = [
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),
 ]
 #: stages of the Attention stream's stamps st = (after the start event, before the end event)
+#: (the start stamp precedes a replay's first exchange, the end stamp follows its last)
 STAMP_STAGES = [
-    ("A stream: start stamp -> dispatch start", lambda st, da, ca: _gap(da, START, st, 0)),
-    ("A stream: combine end -> end stamp", lambda st, da, ca: _gap(st, 1, ca, MAX_END)),
+    ("A stream: start stamp -> dispatch start", lambda st, da, ca: _gap(da, START, st, 0), "first"),
+    ("A stream: combine end -> end stamp", lambda st, da, ca: _gap(st, 1, ca, MAX_END), "last"),
 ]
 OUTSIDE = "A event latency - kernels total"
 
@@ -121,8 +129,10 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
                 c.step()
             rk.sync()
             graph = torch.cuda.CUDAGraph()
+            k = spec.get("per_replay", 1)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                c.step()
+                for _ in range(k):  # back to back: the next dispatch queues behind the collect
+                    c.step()
             torch.cuda.synchronize()
             st = torch.zeros(spec["replays"], 2, dtype=torch.int64, device=rk.device)
             stream = torch.cuda.current_stream().cuda_stream
@@ -145,11 +155,13 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             got: List[Any] = [None] * world
             dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr), group=rk.ctrl)
             if rk.is_attention:
-                row = summarize(T, got, lat, spec["replays"], st.tolist())
-                # host time of graph.replay() (the graph launch call): when it outlasts the
-                # queue-ahead sleep, the GPU waits for the host inside the measured interval
-                row["host_replay_us"] = _spread([(b - a) * 1e6 for a, b in host])
-                out["rows"].append(row)
+                for pos in range(k):
+                    row = summarize(T, got, lat, spec["replays"], st.tolist(), per_replay=k,
+                                    position=pos)
+                    # host time of graph.replay() (the graph launch call): when it outlasts the
+                    # queue-ahead sleep, the GPU waits for the host inside the measured interval
+                    row["host_replay_us"] = _spread([(b - a) * 1e6 for a, b in host])
+                    out["rows"].append(row)
             del graph
             c.release()
     finally:
@@ -164,24 +176,38 @@ def _spread(v: List[float]) -> Dict[str, float]:
 
 
 def summarize(T: int, got, lat: List[float], replays: int,
-              st: Optional[List[List[int]]] = None) -> Dict[str, Any]:
+              st: Optional[List[List[int]]] = None, per_replay: int = 1,
+              position: int = 0) -> Dict[str, Any]:
     """Per-stage medians (``stages_us``) and median / p90 / max (``spread_us``) over the
-    last min(replays, ring - 1) exchanges. ``got``: per rank (role, stamps [ring][2][points],
-    (dispatch, combine) exchange numbers); ``lat``: the timed replays' event latencies, µs;
-    ``st``: per timed replay the Attention stream's (after start, before end) stamps, ns. The
-    last timed replay is the last exchange, so replay j holds exchange last - (replays-1-j)."""
+    exchanges at ``position`` of each replay among the last min(replays * per_replay,
+    ring - 1). ``got``: per rank (role, stamps [ring][2][points], (dispatch, combine) exchange
+    numbers); ``lat``: the timed replays' event latencies, µs; ``st``: per timed replay the
+    Attention stream's (after start, before end) stamps, ns. Each replay runs ``per_replay``
+    exchanges and the last timed replay ends with the last exchange, so exchange n is replay
+    len(lat) - 1 - (last - n) // per_replay at position per_replay - 1 - (last - n) %
+    per_replay. The event latency is the replay's (all its exchanges); the start stamp's stage
+    belongs to position 0, the end stamp's to the last; the outside-kernel line (the replay's
+    interval less one exchange's kernels) only with per_replay 1."""
     att = next(g for g in got if g[0] == "attention")
     ffn = next(g for g in got if g[0] == "ffn")
     ring = len(att[1])
     last = att[2][1]  # last combine exchange number
-    n_use = min(replays, ring - 1, len(lat))
+    if not 0 <= position < per_replay:
+        raise ValueError(f"position must be in [0, per_replay={per_replay}), got {position}")
+    n_use = min(replays * per_replay, ring - 1, len(lat) * per_replay)
+    whole = per_replay == 1  # one replay interval per exchange
     names = [name for name, _, _ in STAGES]
+    at = {"first": position == 0, "last": position == per_replay - 1}
+    stamp_stages = [(name, fn) for name, fn, where in STAMP_STAGES if at[where]]
     if st is not None:
-        names += [name for name, _ in STAMP_STAGES]
-    names.append(OUTSIDE)
+        names += [name for name, _ in stamp_stages]
+    if whole:
+        names.append(OUTSIDE)
     per: Dict[str, List[float]] = {name: [] for name in names}
     for n in range(last - n_use + 1, last + 1):
-        j = len(lat) - 1 - (last - n)
+        if per_replay - 1 - (last - n) % per_replay != position:
+            continue
+        j = len(lat) - 1 - (last - n) // per_replay
         da, ca = att[1][n % ring][D], att[1][n % ring][C]
         df, cf = ffn[1][n % ring][D], ffn[1][n % ring][C]
         for name, fn, _ in STAGES:
@@ -189,12 +215,14 @@ def summarize(T: int, got, lat: List[float], replays: int,
             if v is not None:
                 per[name].append(v / 1000.0)
         if st is not None:
-            for name, fn in STAMP_STAGES:
+            for name, fn in stamp_stages:
                 v = fn(st[j], da, ca)
                 if v is not None:
                     per[name].append(v / 1000.0)
-        per[OUTSIDE].append(lat[j] - (ca[MAX_END] - da[START]) / 1000.0)
-    return {"tokens": T, "latency_us": statistics.median(lat) if lat else None,
+        if whole:
+            per[OUTSIDE].append(lat[j] - (ca[MAX_END] - da[START]) / 1000.0)
+    return {"tokens": T, "position": position, "per_replay": per_replay,
+            "latency_us": statistics.median(lat) if lat else None,
             "latency_spread_us": _spread(lat) if lat else None,
             "stages_us": {k: statistics.median(v) for k, v in per.items() if v},
             "spread_us": {k: _spread(v) for k, v in per.items() if v}}
@@ -231,6 +259,9 @@ def main(argv=None) -> int:
                    choices=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--replays", type=int, default=60)
+    p.add_argument("--exchanges-per-replay", type=int, default=1,
+                   help="exchanges captured back to back in each graph (1..8), each position "
+                        "reported on its own")
     p.add_argument("--capacity", type=int, default=0, help="tokens per rank (default max T)")
     common.add_timing_args(p, queue_ahead_us=200.0, attention_delay_us=300.0)
     p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")
@@ -241,6 +272,8 @@ def main(argv=None) -> int:
     afdep_env = common.parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.exchanges_per_replay <= 8:
+        p.error(f"--exchanges-per-replay must be in [1, 8], got {args.exchanges_per_replay}")
     common.check_timing_args(p, args)
     if min(args.tokens) < 1 or (args.capacity and max(args.tokens) > args.capacity):
         p.error(f"--tokens must be in [1, --capacity={args.capacity or 'max T'}], "
@@ -265,6 +298,7 @@ def main(argv=None) -> int:
                     "dtype": args.dtype, "routing": args.routing, "tokens": args.tokens,
                     "receive_layout": args.receive_layout,
                     "warmup": 10, "replays": args.replays,
+                    "per_replay": args.exchanges_per_replay,
                     "attention_delay_us": args.attention_delay_us,
                     "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir}
             env = {"AFDEP_TRACE": "1"}
@@ -280,9 +314,13 @@ def main(argv=None) -> int:
             t = timers[-1]
             print(f"%globaltimer: smallest step {t['step_ns']} ns ({t['steps']} steps over "
                   f"{t['span_ns']} ns, {t['reads']} reads)")
-            _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F {args.receive_layout} layout, "
-                        f"GPUs {devices}, H{args.hidden} {args.dtype} "
-                        f"{args.routing}, {args.sms} SMs, {args.replays} replays", rows)
+            k = args.exchanges_per_replay
+            for pos in range(k):
+                where = f", exchange {pos + 1} of {k} per replay" if k > 1 else ""
+                _print_rows(f"{arm}{extra}, repeat {rep}: 1A1F {args.receive_layout} layout, "
+                            f"GPUs {devices}, H{args.hidden} {args.dtype} "
+                            f"{args.routing}, {args.sms} SMs, {args.replays} replays{where}",
+                            [r for r in rows if r["position"] == pos])
     if args.out:
         names = common.nvidia_smi().get("names") or []
         common.write_json(args.out, {"args": vars(args), "results": results,

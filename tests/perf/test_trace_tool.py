@@ -97,10 +97,48 @@ def test_stream_stamps_map_each_replay_to_its_exchange():
     assert row2["stages_us"][trace.OUTSIDE] == 12
 
 
+def test_back_to_back_exchanges_split_by_position():
+    """--exchanges-per-replay 2: replay j holds exchanges last - 2 (replays - 1 - j) - 1 (its
+    first, position 0) and that + 1 (position 1). Odd exchanges take 20 µs of kernels, even
+    ones 10 (last is odd), so a wrong position would mix them; the start stamp belongs to
+    position 0 and lies (j + 1) µs before its dispatch, the end stamp to position 1, 3 µs after
+    its combine; the outside-kernel line needs one exchange per replay and is absent."""
+    ring, last, replays, k = 64, 101, 5, 2
+
+    def at(n, ph, pt):
+        end = 20 if n % 2 else 10
+        table = {(0, trace.START): 0, (0, trace.MAX_END): 5, (1, trace.START): 6,
+                 (1, trace.MAX_END): end}
+        return (n * 10_000 + table[(ph, pt)]) * 1000 if (ph, pt) in table else 0
+
+    got = [("attention", _ring(last, ring, at), (last, last)),
+           ("ffn", _ring(last, ring, lambda n, ph, pt: 0), (last, last))]
+    st = []
+    for j in range(replays):
+        first = last - k * (replays - 1 - j) - 1
+        st.append([first * 10_000_000 - 1000 * (j + 1), ((first + 1) * 10_000 + 20 + 3) * 1000])
+    lat = [50.0 + j for j in range(replays)]
+    rows = [trace.summarize(8, got, lat, replays, st, per_replay=k, position=p)
+            for p in range(k)]
+    s0, s1 = rows[0]["stages_us"], rows[1]["stages_us"]
+    assert [r["position"] for r in rows] == [0, 1]
+    assert s0["A kernels total (dispatch start -> combine end)"] == 10
+    assert s1["A kernels total (dispatch start -> combine end)"] == 20
+    assert rows[0]["spread_us"]["A stream: start stamp -> dispatch start"]["max"] == 5
+    assert s0["A stream: start stamp -> dispatch start"] == 3
+    assert "A stream: combine end -> end stamp" not in s0
+    assert s1["A stream: combine end -> end stamp"] == 3
+    assert "A stream: start stamp -> dispatch start" not in s1
+    assert trace.OUTSIDE not in s0 and trace.OUTSIDE not in s1
+    with pytest.raises(ValueError, match=r"position must be in \[0, per_replay=2\)"):
+        trace.summarize(8, got, lat, replays, st, per_replay=k, position=2)
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["--afdep-env", "AFDEP_NOPE=1"], "--afdep-env takes NAME=0|1"),
     (["--afdep-env", "AFDEP_WIDE_LOCAL=maybe"], "got 'AFDEP_WIDE_LOCAL=maybe'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--exchanges-per-replay", "0"], "--exchanges-per-replay must be in [1, 8], got 0"),
     (["--queue-ahead-us", "-1"], "--queue-ahead-us must be in [0, 10000]"),
     (["--tokens", "64", "--capacity", "32"], "--tokens must be in [1, --capacity=32]"),
     (["--tokens", "0"], "--tokens must be in [1, --capacity=max T]"),
