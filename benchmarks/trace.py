@@ -43,8 +43,9 @@ from benchmarks import arms, common
 from torch_afdep import mps
 
 # trace points (csrc/include/afdep/layout.h TracePoint)
+POINTS = 13
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
- TABLE) = range(12)
+ TABLE, LOADED) = range(POINTS)
 D, C = 0, 1  # phases
 
 def _gap(a, i: int, b, j: int) -> Optional[int]:
@@ -58,6 +59,11 @@ STAGES = [
     ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: _gap(da, MAX_SENT, da, START), False),
     # CTA 0's steps (at small T the CTA that holds the tokens): claim, payload copy, signal
     ("  A CTA0: start -> tokens claimed", lambda da, ca, df, cf: _gap(da, CLAIMED, da, START), False),
+    # thread 0's first loads (its token's expert id, the exchange number): their latency
+    ("    A CTA0: start -> first loads arrived",
+     lambda da, ca, df, cf: _gap(da, LOADED, da, START), False),
+    ("    A CTA0: first loads arrived -> tokens claimed",
+     lambda da, ca, df, cf: _gap(da, CLAIMED, da, LOADED), False),
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),

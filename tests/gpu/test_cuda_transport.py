@@ -434,6 +434,10 @@ def test_trace_stages_are_ordered(tmp_path):
                  s["  A CTA0: payload written -> counts signalled"]]
         assert all(0 <= p < 1000 for p in parts), (r["tokens"], parts)
         assert sum(parts) <= s["A dispatch: start -> last CTA sent"] + 1.0, s
+        loads = [s["    A CTA0: start -> first loads arrived"],
+                 s["    A CTA0: first loads arrived -> tokens claimed"]]
+        assert all(0 <= p for p in loads), (r["tokens"], loads)
+        assert abs(sum(loads) - parts[0]) < 0.5, (r["tokens"], loads, parts[0])
         assert 0 <= s["  F CTA0: counts seen -> count table loaded"] <= \
             s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \

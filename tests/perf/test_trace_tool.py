@@ -9,20 +9,20 @@ from benchmarks import trace
 
 
 def _ring(n_last, ring, stamp):
-    """[ring][2][12] stamps with stamp(n, phase, point) at the slots of exchanges <= n_last."""
-    out = [[[0] * 12 for _ in range(2)] for _ in range(ring)]
+    """[ring][2][points] stamps with stamp(n, phase, point) at the slots of exchanges <= n_last."""
+    out = [[[0] * trace.POINTS for _ in range(2)] for _ in range(ring)]
     for n in range(n_last - ring + 1, n_last + 1):
         for ph in range(2):
-            for pt in range(12):
+            for pt in range(trace.POINTS):
                 out[n % ring][ph][pt] = stamp(n, ph, pt)
     return out
 
 
 def test_stage_medians_from_stamps():
     ring, last = 64, 200
-    # Attention: dispatch start 0, claimed 1, payload written 3, sent 4, max sent 5 µs, end 6;
-    # combine start 7, waited 20, end 22.
-    att = {(0, trace.START): 0, (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
+    # Attention: dispatch start 0, first loads 0.25, claimed 1, payload written 3, sent 4, max
+    # sent 5 µs, end 6; combine start 7, waited 20, end 22.
+    att = {(0, trace.START): 0, (0, trace.LOADED): 0.25, (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
            (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
            (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006, table 1007, ready 1009, end 1012; reply
@@ -43,6 +43,8 @@ def test_stage_medians_from_stamps():
     assert row["tokens"] == 8 and row["latency_us"] == 30.0
     assert s["A dispatch: start -> last CTA sent"] == 5
     assert s["  A CTA0: start -> tokens claimed"] == 1
+    assert s["    A CTA0: start -> first loads arrived"] == 0.25
+    assert s["    A CTA0: first loads arrived -> tokens claimed"] == 0.75
     assert s["  A CTA0: claimed -> payload written"] == 2
     assert s["  A CTA0: payload written -> counts signalled"] == 1
     assert s["  F CTA0: counts seen -> count table loaded"] == 1
@@ -148,6 +150,12 @@ def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
         trace.main(argv)
     assert fragment in capsys.readouterr().err
 
+
+
+def test_points_match_the_cuda_extension():
+    """trace.py's point indices cover the kernels' kTracePts (exported as TRACE_POINTS)."""
+    cuda = pytest.importorskip("torch_afdep._cuda")
+    assert cuda.TRACE_POINTS == trace.POINTS
 
 
 def test_trace_runs_on_two_gpus_or_one_under_mps():

@@ -92,7 +92,7 @@ enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 // memory and writes them when it ends (kernels/common.cuh trace_flush); a point a launch
 // never reached is not written.
 constexpr int kTraceRing = 64;
-constexpr int kTracePts = 12;
+constexpr int kTracePts = 13;
 enum TracePoint : int {
   kTrStart = 0,    // kernel start (CTA 0)
   kTrSent = 1,     // send stage done, signals written (CTA 0)
@@ -106,6 +106,8 @@ enum TracePoint : int {
   kTrCopied = 9,   // dispatch sender: payload rows written, before the signalling fence (CTA 0)
   kTrWritten = 10, // FFN reply: reduced rows written, before the signalling fence (CTA 0)
   kTrTable = 11,   // FFN receive: count table in shared memory, before the scans (CTA 0)
+  kTrLoaded = 12,  // dispatch sender: thread 0's first loads arrived (its token's expert id
+                   // with F_EARLY_LOADS, and the exchange number) (CTA 0)
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
