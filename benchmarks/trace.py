@@ -79,6 +79,11 @@ STAGES = [
     ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: _gap(cf, MAX_SENT, cf, START), False),
     ("  F CTA0: start -> reduced rows written",
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, START), False),
+    # thread 0's first row (token layout, early loads): its token index and first vector
+    ("    F CTA0: start -> first row loaded",
+     lambda da, ca, df, cf: _gap(cf, LOADED, cf, START), False),
+    ("    F CTA0: first row loaded -> rows written",
+     lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, LOADED), False),
     ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: _gap(ca, WAITED, cf, MAX_SENT), True),
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: _gap(ca, MAX_END, ca, WAITED), False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),

@@ -409,10 +409,13 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
-def test_trace_stages_are_ordered(tmp_path):
+@pytest.mark.parametrize("layout", ["experts", "tokens"])
+def test_trace_stages_are_ordered(layout, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1 and a T = 128 exchange is recorded and the CTA-0 sub-stages (claim, payload,
-    signal; count table; reply rows) are non-negative and add up within the stage they split."""
+    signal; the claim's first loads; count table; reply rows and, in the token layout at
+    T = 1, the reply's first row loaded) are non-negative and add up within the stage they
+    split."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -423,7 +426,7 @@ def test_trace_stages_are_ordered(tmp_path):
 
     out = tmp_path / "trace.json"
     assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",
-                       "--out", str(out)]) == 0
+                       "--receive-layout", layout, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128]
@@ -438,8 +441,14 @@ def test_trace_stages_are_ordered(tmp_path):
                  s["    A CTA0: first loads arrived -> tokens claimed"]]
         assert all(0 <= p for p in loads), (r["tokens"], loads)
         assert abs(sum(loads) - parts[0]) < 0.5, (r["tokens"], loads, parts[0])
-        assert 0 <= s["  F CTA0: counts seen -> count table loaded"] <= \
-            s["F counts seen -> offsets ready"], s
+        if layout == "experts":  # the token layout's receive has no count table
+            assert 0 <= s["  F CTA0: counts seen -> count table loaded"] <= \
+                s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \
             s["F reply (start -> last CTA signalled)"], s
+        if layout == "tokens" and r["tokens"] == 1:  # the reply's early loads
+            rl = [s["    F CTA0: start -> first row loaded"],
+                  s["    F CTA0: first row loaded -> rows written"]]
+            assert all(0 <= p for p in rl), rl
+            assert abs(sum(rl) - s["  F CTA0: start -> reduced rows written"]) < 0.5, (rl, s)
         assert 0 < s["A kernels total (dispatch start -> combine end)"] < r["latency_us"], s

@@ -26,10 +26,10 @@ def test_stage_medians_from_stamps():
            (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
            (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006, table 1007, ready 1009, end 1012; reply
-    # start 1013, rows written 1016, max sent 1018.
+    # start 1013, first row loaded 1013.5, rows written 1016, max sent 1018.
     ffn = {(0, trace.START): 990, (0, trace.WAITED): 1006, (0, trace.TABLE): 1007,
            (0, trace.READY): 1009, (0, trace.MAX_END): 1012, (1, trace.START): 1013,
-           (1, trace.WRITTEN): 1016, (1, trace.MAX_SENT): 1018}
+           (1, trace.LOADED): 1013.5, (1, trace.WRITTEN): 1016, (1, trace.MAX_SENT): 1018}
 
     def stamps(table):
         def at(n, ph, pt):  # ns; exchange n starts at n * 10 ms
@@ -49,6 +49,8 @@ def test_stage_medians_from_stamps():
     assert s["  A CTA0: payload written -> counts signalled"] == 1
     assert s["  F CTA0: counts seen -> count table loaded"] == 1
     assert s["  F CTA0: start -> reduced rows written"] == 3
+    assert s["    F CTA0: start -> first row loaded"] == 0.5
+    assert s["    F CTA0: first row loaded -> rows written"] == 2.5
     assert s["A gap: dispatch end -> combine start"] == 1
     assert s["F counts seen -> offsets ready"] == 3
     assert s["F expansion (ready -> last CTA end)"] == 3
