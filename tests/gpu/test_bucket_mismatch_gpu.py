@@ -60,8 +60,8 @@ CASES = {
     "no_pdl": ({"AFDEP_PDL": "0"}, {}, EXCHANGES),
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
     # the token layout in the count form (AFDEP_LL_SMALL=0), and its flagged units (the
-    # default: at most 2 tokens per channel,
-    # buckets 4 and 8 over 4 channels) on both sides, or on one side only: the FFN (bucket 16,
+    # default: at most 2 tokens per channel, buckets 4 and 8 over 4 channels) on both sides,
+    # or on one side only: the FFN (bucket 16,
     # 4 per channel) expects the count block while the Attention (bucket 4) sends units, and
     # replies in the count form to a collect that watches for units (T = 3 <= 2 x 4); and the
     # reverse (the FFN's start units tell the mismatch)
