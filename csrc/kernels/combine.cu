@@ -165,7 +165,8 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
       if (v0 + lane + 32 * q < v1) v[q] = ld_nc_v4(src + v0 + lane + 32 * q);
     // traced only, thread 0's first row: a branch on its token index and first vector waits
     // for both (taken unless their xor hits one value), splitting the reply's first stage
-    if (L.trace != nullptr && u == gw && ((uint32_t)tok ^ (uint32_t)v[0].x) != 0x80000001u)
+    if (L.trace != nullptr && threadIdx.x == 0 && u == gw &&
+        ((uint32_t)tok ^ (uint32_t)v[0].x) != 0x80000001u)
       trace_mark(L, kTrLoaded, -1);
     if (tok < 0) continue;
     // not a receipt's row: never write outside the inbox (units: tok < T <= llc_tokens)

@@ -758,7 +758,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   trace_mark(L, kTrStart, -1);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
-  if (L.trace != nullptr && a.do_send && (n | (uint64_t)(pre.e + 2)) != 0)
+  if (L.trace != nullptr && tid == 0 && a.do_send && (n | (uint64_t)(pre.e + 2)) != 0)
     trace_mark(L, kTrLoaded, -1);
   if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
     printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
