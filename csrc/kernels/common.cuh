@@ -197,7 +197,8 @@ __device__ __forceinline__ int chunks_per_row(int items, int warps, int nv) {
 // Out of line: these run only on an error, and inlined at every check they put an atomic, two
 // system fences and the stores in the middle of the hot path's instruction stream, which a
 // cold launch then fetches past.
-__device__ __noinline__ void report_timeout(ErrorBlock* err, int phase, int peer, int rank) {
+static __device__ __noinline__ void report_timeout(ErrorBlock* err, int phase, int peer,
+                                                   int rank) {
   if (atomicCAS(&err->timeout_claim, 0, 1) == 0) {
     err->timeout_phase = phase;
     err->timeout_peer = peer;
@@ -209,8 +210,8 @@ __device__ __noinline__ void report_timeout(ErrorBlock* err, int phase, int peer
 }
 
 // peer/own: kRouteBucket only (the peer's group rank and this rank's bucket); else -1, 0.
-__device__ __noinline__ void report_route(ErrorBlock* err, long long bad_id, int kind,
-                                             int peer = -1, int own = 0) {
+static __device__ __noinline__ void report_route(ErrorBlock* err, long long bad_id, int kind,
+                                                    int peer = -1, int own = 0) {
   if (atomicCAS(&err->route_claim, 0, 1) == 0) {
     err->route_bad_id = bad_id;
     err->route_kind = kind;
