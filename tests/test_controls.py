@@ -10,7 +10,7 @@ from torch_afdep import controls, env
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
     # experimental, off by default until the whole GPU suite has run with them on
-    assert experimental == ["AFDEP_SIZED_GRID", "AFDEP_PARAM_PREFETCH"]
+    assert experimental == ["AFDEP_SIZED_GRID"]
     assert controls.flags({}) == controls.DEFAULT
     assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(
         controls.CONTROLS[n].bit for n in experimental)

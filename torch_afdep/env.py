@@ -123,13 +123,6 @@ _CONTROLS = (
              "moves the rows into their slots of the receive window, the zero-copy collect "
              "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
              "0 = the payload, then a fence and the count flag"),
-    _control("AFDEP_PARAM_PREFETCH", 15, 0,
-             "experimental, off by default: at each transport kernel's start, warps other "
-             "than the first read one word of every 32-byte line of the kernel's parameters "
-             "(its Layout and arguments, which live in the constant bank, cold at every "
-             "launch), so that their misses overlap instead of each stalling the small-T "
-             "chain where it first reads a field; 0 = every parameter read where the code "
-             "uses it"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

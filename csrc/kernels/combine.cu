@@ -314,14 +314,12 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ Layout L,
-                                                               const __grid_constant__ CombineArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
-  prefetch_params(L, a);  // before the wait: parameters never depend on the previous kernel
   pdl_wait(L);
   trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

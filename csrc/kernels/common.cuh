@@ -78,8 +78,7 @@ __device__ __forceinline__ void pdl_launch_dependents(const Layout& L) {
 // Host: launch a transport kernel; under F_PDL with the programmatic-serialization attribute
 // (cudaLaunchKernelEx), else the plain launch.
 template <typename Args>
-inline cudaError_t launch_transport_kernel(void (*kernel)(const Layout, const Args),
-                                           const Layout& L,
+inline cudaError_t launch_transport_kernel(void (*kernel)(Layout, Args), const Layout& L,
                                            const Args& a, int grid, size_t smem,
                                            cudaStream_t stream) {
   if (!(L.flags & F_PDL)) {
@@ -391,30 +390,6 @@ __device__ __forceinline__ void end_launch(const Layout& L, int phase, uint64_t 
     L.arrive[phase] = 0;
     L.counters[phase * L.Gmax] = n;
   }
-}
-
-// F_PARAM_PREFETCH: the kernel's parameters (Layout and its args, 550 bytes by value) live
-// in the constant bank and each launch starts with that bank cold. Read in program order,
-// every line the small-T chain touches first is one serialized miss; here warps 1.. read one
-// word of every 32-byte line at once, so their misses overlap before the chain needs them.
-// Needs the kernel's parameters __grid_constant__ (their address is taken, without a copy).
-template <typename Args>
-__device__ __forceinline__ void prefetch_params(const Layout& L, const Args& a) {
-  if (!(L.flags & F_PARAM_PREFETCH)) return;
-  const int w = (int)(threadIdx.x >> 5) - 1;  // warp 0 goes on at once
-  if (w < 0) return;
-  constexpr int kLine = 32;
-  constexpr int nl = (int)((sizeof(Layout) + kLine - 1) / kLine);
-  constexpr int na = (int)((sizeof(Args) + kLine - 1) / kLine);
-  const char* pl = reinterpret_cast<const char*>(&L);
-  const char* pa = reinterpret_cast<const char*>(&a);
-  int acc = 0;
-  for (int i = w; i < nl + na; i += kWarps - 1)
-    acc ^= *reinterpret_cast<const int*>(i < nl ? pl + i * kLine : pa + (i - nl) * kLine);
-  // a use that ptxas cannot drop (an empty asm is gone before ptxas sees the loads); the
-  // warp waits for its loads here
-  __shared__ int s_sink;
-  if (acc == 0x5a5a5a5a) s_sink = acc;
 }
 
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------

@@ -731,10 +731,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   if (L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ Layout L,
-                                                                const __grid_constant__ DispatchArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   extern __shared__ __align__(16) int smem[];
-  prefetch_params(L, a);  // before the wait: parameters never depend on the previous kernel
   pdl_wait(L);
   trace_begin(L);
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours

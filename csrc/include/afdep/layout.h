@@ -32,9 +32,7 @@ namespace afdep {
                                kernels' start */                                              \
   X(LL_SMALL, 14)           /* token layout, at most kLLTokens per channel: the dispatch's    \
                                words and the reply's rows travel in flagged 8-byte units, no  \
-                               fence and no flag in front of them */                          \
-  X(PARAM_PREFETCH, 15)     /* warps other than the first read one word of every line of the  \
-                               kernel's parameters at its start (experimental) */
+                               fence and no flag in front of them */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
