@@ -1,0 +1,129 @@
+"""Code size of the transport kernels and the span of code between their trace stamps, read from
+the built extension's SASS. Needs no GPU: a change to a kernel's hot path can be checked here
+(did the code the compiler emitted change as intended, did the span shrink) before device time
+is spent on it.
+
+Why spans: on one H200 the small-T stages cost by the span of code they pass, not only by what
+runs (docs/history.md, session 14: compiling two never-called error reports out of line took
+about 0.2 us off each stage).
+
+Usage:
+    python scripts/sass_spans.py [--so torch_afdep/_cuda*.so] [--cuobjdump PATH] [--sass FILE]
+        [--kernel NAME]
+Prints, per kernel: its code bytes, and each %globaltimer read (the trace stamps, the
+deadlines) with its offset and the bytes since the previous one, plus the barriers, fences and
+calls in between. --sass reads a saved `cuobjdump -sass` listing instead of running it.
+
+cuobjdump: --cuobjdump, $CUOBJDUMP, PATH, or /usr/local/cuda/bin. A machine with nvcc but no
+cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
+    pip download --no-deps -d /tmp/cuobjdump nvidia-cuda-cuobjdump
+    python -m zipfile -e /tmp/cuobjdump/nvidia_cuda_cuobjdump-*.whl /tmp/cuobjdump/x
+    # binary: /tmp/cuobjdump/x/nvidia/cu13/bin/cuobjdump (chmod +x)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional, Tuple
+
+_FUNC = re.compile(r"^\s*Function : (\S+)")
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+#: instructions worth seeing between two stamps (the rest is counted)
+_NOTABLE = ("BAR.", "MEMBAR", "CALL", "ATOMS", "ATOMG", "MATCH", "REDUX", "ACQBULK")
+
+
+def parse_sass(text: str) -> Dict[str, List[Tuple[int, str]]]:
+    """`cuobjdump -sass` text -> {mangled kernel name: [(byte offset, instruction), ...]}."""
+    out: Dict[str, List[Tuple[int, str]]] = {}
+    cur: Optional[List[Tuple[int, str]]] = None
+    for line in text.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = _INSN.match(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def short_name(mangled: str) -> str:
+    """The kernel's own name inside the mangled one (dispatch_kernel, combine_kernel, ...)."""
+    found = re.findall(r"\d+([a-z_]+_kernel)E", mangled)
+    return found[-1] if found else mangled
+
+
+def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
+    """Code bytes, and each %globaltimer read with the bytes and notable instructions since the
+    previous one (the first: since the kernel's start)."""
+    size = insns[-1][0] + 16 if insns else 0
+    stamps = []
+    prev, notable, count = 0, [], 0
+    for off, ins in insns:
+        if "SR_GLOBALTIMER" in ins:
+            stamps.append({"offset": off, "bytes": off - prev, "instructions": count,
+                           "notable": notable})
+            prev, notable, count = off, [], 0
+            continue
+        count += 1
+        op = ins.split()[1] if ins.startswith("@") and len(ins.split()) > 1 else ins.split()[0]
+        if op.startswith(_NOTABLE):
+            notable.append(op)
+    return {"bytes": size, "stamps": stamps}
+
+
+def _cuobjdump(explicit: Optional[str]) -> str:
+    for c in (explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+              "/usr/local/cuda/bin/cuobjdump"):
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise SystemExit("cuobjdump not found: pass --cuobjdump or set CUOBJDUMP "
+                     "(this script's docstring says where to get one)")
+
+
+def _summary(notable: List[str]) -> str:
+    counts: Dict[str, int] = {}
+    for op in notable:
+        counts[op] = counts.get(op, 0) + 1
+    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--so", default=None, help="the extension (default torch_afdep/_cuda*.so)")
+    p.add_argument("--cuobjdump", default=None)
+    p.add_argument("--sass", default=None, help="a saved cuobjdump -sass listing")
+    p.add_argument("--kernel", default=None, help="only kernels whose name contains this")
+    args = p.parse_args(argv)
+    if args.sass:
+        with open(args.sass) as f:
+            text = f.read()
+    else:
+        so = args.so or next(iter(sorted(glob.glob("torch_afdep/_cuda*.so"))), None)
+        if not so:
+            raise SystemExit("no torch_afdep/_cuda*.so: build the extension or pass --so")
+        text = subprocess.run([_cuobjdump(args.cuobjdump), "-sass", so], check=True,
+                              capture_output=True, text=True).stdout
+    kernels = parse_sass(text)
+    if not kernels:
+        raise SystemExit("no kernels in the listing")
+    for name, insns in kernels.items():
+        short = short_name(name)
+        if args.kernel and args.kernel not in short:
+            continue
+        s = spans(insns)
+        print(f"{short}: {s['bytes']:,} bytes of code, {len(s['stamps'])} %globaltimer reads")
+        for st in s["stamps"]:
+            print(f"  at {st['offset']:#07x}: +{st['bytes']:>7,} B ({st['instructions']:>5} "
+                  f"instructions) {_summary(st['notable'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

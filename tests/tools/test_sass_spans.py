@@ -1,0 +1,55 @@
+"""scripts/sass_spans.py on a synthetic `cuobjdump -sass` listing: kernels split by name, code
+bytes, and each %globaltimer read with the bytes and notable instructions since the previous."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LISTING = """
+	code for sm_90a
+		Function : _ZN5afdep44_GLOBAL__N__359a11ab_11_dispatch_cu_63705c8615dispatch_kernelENS_6LayoutENS_12DispatchArgsE
+	.headerflags	@"EF_CUDA_ACCELERATORS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+                                                                          /* 0x000fe20000000800 */
+        /*0010*/                   ACQBULK ;                              /* 0x000000000000782e */
+        /*0020*/                   CS2R R4, SR_GLOBALTIMERLO ;            /* 0x0000000000047805 */
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;          /* 0x0000000000007b1d */
+        /*0040*/               @P0 CALL.REL.NOINC 0x100 ;                 /* 0x0000000000007944 */
+        /*0050*/                   IADD3 R0, R1, 0x1, RZ ;                /* 0x0000000101007810 */
+        /*0060*/              @!P1 CS2R R6, SR_GLOBALTIMERLO ;            /* 0x0000000000069805 */
+        /*0070*/                   EXIT ;                                 /* 0x000000000000794d */
+		Function : _ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm
+        /*0000*/                   CS2R R2, SR_GLOBALTIMERLO ;            /* 0x0000000000027805 */
+        /*0010*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "sass_spans", os.path.join(ROOT, "scripts", "sass_spans.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernels_code_bytes_and_stamp_spans():
+    tool = _tool()
+    kernels = tool.parse_sass(LISTING)
+    assert [tool.short_name(k) for k in kernels] == ["dispatch_kernel", "stamp_kernel"]
+    d = tool.spans(next(iter(kernels.values())))
+    assert d["bytes"] == 0x80
+    assert [(s["offset"], s["bytes"], s["instructions"]) for s in d["stamps"]] == [
+        (0x20, 0x20, 2), (0x60, 0x40, 3)]
+    assert d["stamps"][0]["notable"] == ["ACQBULK"]
+    assert d["stamps"][1]["notable"] == ["BAR.SYNC.DEFER_BLOCKING", "CALL.REL.NOINC"]
+
+
+def test_main_reads_a_saved_listing(tmp_path, capsys):
+    f = tmp_path / "sass.txt"
+    f.write_text(LISTING)
+    assert _tool().main(["--sass", str(f), "--kernel", "dispatch"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "dispatch_kernel: 128 bytes of code, 2 %globaltimer reads"
+    assert "stamp_kernel" not in out
+    assert "+     64 B (    3 instructions) BAR.SYNC.DEFER_BLOCKING, CALL.REL.NOINC" in out
