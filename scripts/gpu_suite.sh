@@ -7,7 +7,8 @@
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
-#      OVERLAP=1, TRACE=1, AFDEP_COMMIT (the commit a copied tree records in results),
+#      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
+#      AFDEP_COMMIT (the commit a copied tree records in results),
 #      SHARDS=<n> (n concurrent pytest shards under MPS, each with 1/n of the SMs; the tests
 #      SERIAL_K selects, and failures, run alone afterwards: scripts/shard_pytest.py;
 #      RESUME=<summary.txt of an earlier call at the same commit> skips what passed there),
@@ -139,7 +140,7 @@ tail -25 "$OUT/tests.log"
 
 # ---- compute-sanitizer -------------------------------------------------------------
 # With fewer than two GPUs the small sanitizer layouts share a GPU: they run under the MPS
-# daemon still up (it stops after them); with two or more GPUs they run one rank per GPU.
+# daemon still up; with two or more GPUs they run one rank per GPU.
 if [ "${SKIP_SAN:-0}" != "1" ]; then
   stamp "compute-sanitizer memcheck (small 1A1F, 1A2F; shared GPU: ${AFDEP_TEST_SHARED_GPU:-0})" | tee "$OUT/sanitizer.log"
   AFDEP_WORLD_START=spawn timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
@@ -148,7 +149,11 @@ if [ "${SKIP_SAN:-0}" != "1" ]; then
   echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
   grep -E "ERROR SUMMARY|passed|failed|error|SKIPPED" "$OUT/sanitizer.log" | tail -8
 fi
-if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ]; then  # the rest runs without MPS
+# The benchmarks run one rank per GPU where there are enough GPUs, without MPS; on one GPU
+# their ranks share it, which needs the daemon (the benchmarks skip such arms without it): it
+# stays up until the script exits.
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ] && [ "$NGPU" -ge 2 ]; then
   echo quit | nvidia-cuda-mps-control; trap - EXIT
   unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
@@ -175,7 +180,8 @@ if [ "${OVERLAP:-0}" = "1" ]; then
 fi
 if [ "${TRACE:-0}" = "1" ]; then
   stamp "benchmarks.trace" | tee "$OUT/trace.log"
-  timeout 150 $PY -m benchmarks.trace --out "$OUT/trace.json" >>"$OUT/trace.log" 2>&1
+  timeout "${TRACE_TIMEOUT:-150}" $PY -m benchmarks.trace --out "$OUT/trace.json" ${TRACE_ARGS:-} \
+    >>"$OUT/trace.log" 2>&1
   echo "trace rc=$?" | tee -a "$OUT/trace.log"; tail -34 "$OUT/trace.log"
 fi
 stamp "suite done"
