@@ -77,6 +77,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
 #pragma unroll
         for (int u = 0; u < 4; ++u) add_bf16x8(acc, v[u]);
       }
+#pragma unroll 1  // at most 3 rows; unrolled, 4 KB of code in the middle of the reply
       for (; r < nvalid; ++r) add_bf16x8(acc, ld_nc_v4(rows + (size_t)s_rows[warp][r] * nv + i));
       dst[i] = pack_bf16x8(acc);
     }

@@ -188,6 +188,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
     const int v = tid + j * kThreads;
     if (v >= ntok * nv) continue;
     const int i = v / nv, col = v % nv;
+#pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = s_slot[i * L.F + fd];
       if (slot < 0) continue;
@@ -231,6 +232,29 @@ __device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a,
     const float* ss = a.x_scales + (size_t)t * L.scale_cols;
     float* ds = reinterpret_cast<float*>(base + L.off_scales) + gslot * L.scale_cols;
     for (int q = lane; q < L.scale_cols; q += 32) ds[q] = ss[q];
+  }
+}
+
+// Fused copy stage (many tokens): one warp copies a token's row (nv 16-byte vectors at src)
+// and its scale_cols scales into every slot it claimed: slot s_slot[f] of FFN index f, at
+// inbox row gslot0 + slot (rows are whole vectors: 16 nv bytes). Out of line, with scalar
+// arguments only (a Layout passed by reference would be copied to the stack): the small-T
+// claim loop never calls it, and inlined its unrolled copy sat in the middle of that loop.
+__device__ __noinline__ void copy_token_rows(char* const* fb, const int* s_slot, int F,
+                                             const int4* src, const float* src_scales, int nv,
+                                             int scale_cols, int64_t off_payload,
+                                             int64_t off_scales, size_t gslot0) {
+  const int lane = threadIdx.x & 31;
+  for (int fd = 0; fd < F; ++fd) {
+    const int slot = s_slot[fd];
+    if (slot < 0) continue;
+    const size_t gslot = gslot0 + slot;
+    warp_copy16<false>(reinterpret_cast<int4*>(fb[fd] + off_payload + gslot * nv * 16), src, nv,
+                       lane);
+    if (scale_cols) {
+      float* ds = reinterpret_cast<float*>(fb[fd] + off_scales) + gslot * scale_cols;
+      for (int q = lane; q < scale_cols; q += 32) ds[q] = src_scales[q];
+    }
   }
 }
 
@@ -689,6 +713,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     // first occurrences of distinct ids), else -1 / 0
     int id = -1;
     float wq = 0.f;
+#pragma unroll 1  // unrolled: 7 KB of code in the small-T receive path, for at most R steps
     for (int r = 0; r < nloc; ++r) {
       const int cr = __shfl_sync(kFull, col, r);
       const int er = __shfl_sync(kFull, el, r);
@@ -805,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // flagged rows); few tokens gain nothing from row flags (a fence per row).
     const bool stream = L.stream && hi - lo >= kStreamMinTokens;
     const bool fused = hi - lo >= kWarps && !stream;
-    const int lane = tid & 31, nv = L.row_bytes / 16;
+    const int nv = L.row_bytes / 16;
     // F_LL_SMALL: metadata, rows (from the early loads' registers: ll_exchange admits only
     // channels that preload_sender loads whole) and the count go out as flagged units
     const uint32_t llf = (a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
@@ -814,10 +839,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
                   pre.ids && t == lo + warp, pre.e, pre.w, llf);
       if (!fused) continue;
       __syncwarp();
-      for (int fd = 0; fd < L.F; ++fd) {
-        const int slot = s_slot[(t - lo) * L.F + fd];
-        if (slot >= 0) copy_row(L, a, s_fb, t, fd, slot, src_idx, c, 0, nv, lane);
-      }
+      copy_token_rows(s_fb, s_slot + (t - lo) * L.F, L.F,
+                      reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
+                                                    (size_t)t * L.row_bytes),
+                      L.scale_cols ? a.x_scales + (size_t)t * L.scale_cols : nullptr, nv,
+                      L.scale_cols, L.off_payload, L.off_scales,
+                      ((size_t)src_idx * L.S + c) * a.stride);
     }
     if (fused) sys_fence_then_sync(L); else __syncthreads();
     trace_mark(L, kTrClaimed, -1);
