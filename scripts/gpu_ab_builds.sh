@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A/B of two builds on the device machine, for changes that no environment control can revert
+# (code layout, compiler options): the same benchmarks.trace and benchmarks.run commands on a
+# baseline tree and on this one, in alternating rounds (base, head, base, head, ...), fresh
+# processes each, under one MPS daemon when the ranks share a GPU. Usage, from the repository
+# root on the device machine (`run` with carry=[".carry"]):
+#   git archive <base commit> | (mkdir -p .carry/base && tar -x -C .carry/base)   # here, first
+#   BASE=.carry/base BASE_COMMIT=<hash> AFDEP_COMMIT=<hash> bash scripts/gpu_ab_builds.sh
+# Env: BASE (the baseline tree), BASE_COMMIT / AFDEP_COMMIT (recorded in the result files),
+#      ROUNDS (default 2), TRACE_ARGS (default: token layout, T = 1 and 32, 2 fresh worlds),
+#      BENCH_ARGS (default: 1A1F H4096 BF16 random, both layouts, T = 1 32 512, afdep and
+#      symmetric; empty string: no benchmark), OUT (default ./gpu_out).
+# Each tree is built in place first (scripts/gpu_suite.sh custom BUILD=cuda-only, which also
+# runs the token layout's trace test there). Everything under $OUT is packed into one
+# bundle.tgz at the end (the device returns at most 8 files).
+set -u -o pipefail
+OUT="${OUT:-$PWD/gpu_out}"
+BASE="${BASE:?BASE: the baseline tree (see the header)}"
+BASE=$(cd "$BASE" && pwd)
+HEAD_DIR=$PWD
+ROUNDS="${ROUNDS:-2}"
+TRACE_ARGS="${TRACE_ARGS:---tokens 1 32 --arms afdep --receive-layout tokens --repeats 2}"
+BENCH_ARGS="${BENCH_ARGS---gpus 1 --hidden 4096 --dtype bf16 --routing random --tokens 1 32 512 --repeats 3 --arms afdep symmetric --receive-layouts tokens experts --queue-ahead-us 200}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# test-only packages the device lacks travel in this tree's .carry/py (gpu_suite.sh's note)
+[ -d "$HEAD_DIR/.carry/py" ] && export PYTHONPATH="$HEAD_DIR/.carry/py:${PYTHONPATH:-}"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+for side in base head; do
+  dir=$BASE; commit=${BASE_COMMIT:-?}
+  [ "$side" = head ] && { dir=$HEAD_DIR; commit=${AFDEP_COMMIT:-?}; }
+  (cd "$dir" && OUT="$OUT/build-$side" AFDEP_COMMIT="$commit" BUILD=cuda-only SKIP_SAN=1 \
+    SKIP_BENCH=1 SHARDS=1 TEST_TIMEOUT=120 PYTEST_K="trace_stages_are_ordered and tokens" \
+    bash "$HEAD_DIR/scripts/gpu_suite.sh" custom > "$OUT/build-$side.log" 2>&1)
+  stamp "$side ($commit) built: rc=$?, $(grep -h -E '^[0-9]+ tests' "$OUT/build-$side/tests.log" | tail -1)"
+done
+
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$NGPU" -lt 2 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  stamp "MPS daemon started (one GPU)"
+fi
+
+for ((i = 0; i < ROUNDS; ++i)); do
+  for side in base head; do
+    dir=$BASE; commit=${BASE_COMMIT:-?}
+    [ "$side" = head ] && { dir=$HEAD_DIR; commit=${AFDEP_COMMIT:-?}; }
+    # the tree's own package and extension: its in-place build, first on the path
+    export PYTHONPATH="$dir:$HEAD_DIR/.carry/py"
+    (cd "$dir" && AFDEP_COMMIT="$commit" timeout 150 python3 -m benchmarks.trace \
+      --out "$OUT/trace-$side-$i.json" $TRACE_ARGS > "$OUT/trace-$side-$i.log" 2>&1)
+    stamp "trace $side round $i: rc=$?"
+    if [ -n "$BENCH_ARGS" ]; then
+      (cd "$dir" && AFDEP_COMMIT="$commit" timeout 300 python3 -m benchmarks.run \
+        --out-dir "$OUT/bench-$side-$i" $BENCH_ARGS > "$OUT/bench-$side-$i.log" 2>&1)
+      stamp "bench $side round $i: rc=$?"
+    fi
+  done
+done
+for i in $(seq 0 $((ROUNDS - 1))); do
+  for side in base head; do
+    echo "== $side round $i"
+    grep -E "A CTA0|kernel \(|kernels total|F reply|collect|offsets|expansion" \
+      "$OUT/trace-$side-$i.log" | cut -c1-100 | head -14
+    [ -n "$BENCH_ARGS" ] && grep -E "^## 1A1F|^\| (afdep|symmetric), " "$OUT/bench-$side-$i.log"
+  done
+done
+bash "$HEAD_DIR/scripts/pack_out.sh"
