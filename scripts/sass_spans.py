@@ -24,6 +24,7 @@ cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
 import re
@@ -72,7 +73,8 @@ def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
             prev, notable, count = off, [], 0
             continue
         count += 1
-        op = ins.split()[1] if ins.startswith("@") and len(ins.split()) > 1 else ins.split()[0]
+        words = ins.split()
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]  # predicate
         if op.startswith(_NOTABLE):
             notable.append(op)
     return {"bytes": size, "stamps": stamps}
@@ -88,9 +90,7 @@ def _cuobjdump(explicit: Optional[str]) -> str:
 
 
 def _summary(notable: List[str]) -> str:
-    counts: Dict[str, int] = {}
-    for op in notable:
-        counts[op] = counts.get(op, 0) + 1
+    counts = collections.Counter(notable)  # first-seen order
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
 
 
