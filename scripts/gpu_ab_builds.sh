@@ -7,7 +7,9 @@
 #   git archive <base commit> | (mkdir -p .carry/base && tar -x -C .carry/base)   # here, first
 #   BASE=.carry/base BASE_COMMIT=<hash> AFDEP_COMMIT=<hash> bash scripts/gpu_ab_builds.sh
 # Env: BASE (the baseline tree), BASE_COMMIT / AFDEP_COMMIT (recorded in the result files),
-#      ROUNDS (default 2), TRACE_ARGS (default: token layout, T = 1 and 32, 2 fresh worlds),
+#      ALT / ALT_COMMIT (optional: a third tree, measured between base and head each round),
+#      ROUNDS (default 2), TRACE_ARGS (default: token layout, T = 1 and 32, 2 fresh worlds;
+#      empty string: no trace),
 #      BENCH_ARGS (default: 1A1F H4096 BF16 random, both layouts, T = 1 32 512, afdep and
 #      symmetric; empty string: no benchmark), OUT (default ./gpu_out).
 # Each tree is built in place first (scripts/gpu_suite.sh custom BUILD=cuda-only, which also
@@ -18,8 +20,16 @@ OUT="${OUT:-$PWD/gpu_out}"
 BASE="${BASE:?BASE: the baseline tree (see the header)}"
 BASE=$(cd "$BASE" && pwd)
 HEAD_DIR=$PWD
+SIDES="base head"
+if [ -n "${ALT:-}" ]; then ALT=$(cd "$ALT" && pwd); SIDES="base alt head"; fi
+# side_dir / side_commit NAME: the tree and commit of one side
+side_dir() { case $1 in base) echo "$BASE" ;; alt) echo "$ALT" ;; *) echo "$HEAD_DIR" ;; esac; }
+side_commit() {
+  case $1 in base) echo "${BASE_COMMIT:-?}" ;; alt) echo "${ALT_COMMIT:-?}" ;;
+    *) echo "${AFDEP_COMMIT:-?}" ;; esac
+}
 ROUNDS="${ROUNDS:-2}"
-TRACE_ARGS="${TRACE_ARGS:---tokens 1 32 --arms afdep --receive-layout tokens --repeats 2}"
+TRACE_ARGS="${TRACE_ARGS---tokens 1 32 --arms afdep --receive-layout tokens --repeats 2}"
 BENCH_ARGS="${BENCH_ARGS---gpus 1 --hidden 4096 --dtype bf16 --routing random --tokens 1 32 512 --repeats 3 --arms afdep symmetric --receive-layouts tokens experts --queue-ahead-us 200}"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -28,9 +38,8 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
-for side in base head; do
-  dir=$BASE; commit=${BASE_COMMIT:-?}
-  [ "$side" = head ] && { dir=$HEAD_DIR; commit=${AFDEP_COMMIT:-?}; }
+for side in $SIDES; do
+  dir=$(side_dir $side); commit=$(side_commit $side)
   (cd "$dir" && OUT="$OUT/build-$side" AFDEP_COMMIT="$commit" BUILD=cuda-only SKIP_SAN=1 \
     SKIP_BENCH=1 SHARDS=1 TEST_TIMEOUT=120 PYTEST_K="trace_stages_are_ordered and tokens" \
     bash "$HEAD_DIR/scripts/gpu_suite.sh" custom > "$OUT/build-$side.log" 2>&1)
@@ -46,14 +55,15 @@ if [ "$NGPU" -lt 2 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
 fi
 
 for ((i = 0; i < ROUNDS; ++i)); do
-  for side in base head; do
-    dir=$BASE; commit=${BASE_COMMIT:-?}
-    [ "$side" = head ] && { dir=$HEAD_DIR; commit=${AFDEP_COMMIT:-?}; }
+  for side in $SIDES; do
+    dir=$(side_dir $side); commit=$(side_commit $side)
     # the tree's own package and extension: its in-place build, first on the path
     export PYTHONPATH="$dir:$HEAD_DIR/.carry/py"
-    (cd "$dir" && AFDEP_COMMIT="$commit" timeout 150 python3 -m benchmarks.trace \
-      --out "$OUT/trace-$side-$i.json" $TRACE_ARGS > "$OUT/trace-$side-$i.log" 2>&1)
-    stamp "trace $side round $i: rc=$?"
+    if [ -n "$TRACE_ARGS" ]; then
+      (cd "$dir" && AFDEP_COMMIT="$commit" timeout 150 python3 -m benchmarks.trace \
+        --out "$OUT/trace-$side-$i.json" $TRACE_ARGS > "$OUT/trace-$side-$i.log" 2>&1)
+      stamp "trace $side round $i: rc=$?"
+    fi
     if [ -n "$BENCH_ARGS" ]; then
       (cd "$dir" && AFDEP_COMMIT="$commit" timeout 300 python3 -m benchmarks.run \
         --out-dir "$OUT/bench-$side-$i" $BENCH_ARGS > "$OUT/bench-$side-$i.log" 2>&1)
@@ -62,10 +72,11 @@ for ((i = 0; i < ROUNDS; ++i)); do
   done
 done
 for i in $(seq 0 $((ROUNDS - 1))); do
-  for side in base head; do
+  for side in $SIDES; do
     echo "== $side round $i"
-    grep -E "A CTA0|kernel \(|kernels total|F reply|collect|offsets|expansion" \
-      "$OUT/trace-$side-$i.log" | cut -c1-100 | head -14
+    [ -n "$TRACE_ARGS" ] &&
+      grep -E "A CTA0|kernel \(|kernels total|F reply|collect|offsets|expansion" \
+        "$OUT/trace-$side-$i.log" | cut -c1-100 | head -14
     [ -n "$BENCH_ARGS" ] && grep -E "^## 1A1F|^\| (afdep|symmetric), " "$OUT/bench-$side-$i.log"
   done
 done
