@@ -134,26 +134,12 @@ __device__ __forceinline__ int ld_cg_i32_now(const int* p) {
   return v;
 }
 
-// Copy nv 16-byte vectors with one warp; several loads in flight per lane. kWhole: whole
-// chunks of U vectors per lane go first with unpredicated loads (predicated alone, ptxas runs
-// short of predicate registers and splits a chunk's loads around its first stores); it costs
-// registers, so the dispatch kernel's copies (at its register limit) do without.
-template <bool kSrcCg, bool kWhole = true>
+// Copy nv 16-byte vectors with one warp; several loads in flight per lane.
+template <bool kSrcCg>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src,
                                             int nv, int lane) {
   constexpr int U = 8;
-  const int nfull = kWhole ? nv / (32 * U) * (32 * U) : 0;
-  for (int i = lane; i < nfull; i += 32 * U) {
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = i + u * 32;
-      v[u] = kSrcCg ? ld_cg_v4(src + j) : ld_nc_v4(src + j);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) dst[i + u * 32] = v[u];
-  }
-  for (int i = nfull + lane; i < nv; i += 32 * U) {
+  for (int i = lane; i < nv; i += 32 * U) {
     int4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {

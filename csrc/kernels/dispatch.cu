@@ -227,7 +227,7 @@ __device__ __forceinline__ void copy_row(const Layout& L, const DispatchArgs& a,
   const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                   (size_t)t * L.row_bytes);
   int4* dst = reinterpret_cast<int4*>(base + L.off_payload + gslot * L.row_bytes);
-  if (v1 > v0) warp_copy16<false, false>(dst + v0, src + v0, v1 - v0, lane);
+  if (v1 > v0) warp_copy16<false>(dst + v0, src + v0, v1 - v0, lane);
   if (v0 == 0 && L.scale_cols) {
     const float* ss = a.x_scales + (size_t)t * L.scale_cols;
     float* ds = reinterpret_cast<float*>(base + L.off_scales) + gslot * L.scale_cols;
@@ -268,8 +268,9 @@ __device__ __noinline__ void copy_token_rows(char* const* fb, const int* s_slot,
     const int slot = s_slot[fd];
     if (slot < 0) continue;
     const size_t gslot = gslot0 + slot;
-    int4* dst = reinterpret_cast<int4*>(fb[fd] + off_payload + gslot * nv * 16);
-    if (nfull < nv) warp_copy16<false, false>(dst + nfull, src + nfull, nv - nfull, lane);
+    if (nfull < nv)
+      warp_copy16<false>(reinterpret_cast<int4*>(fb[fd] + off_payload + gslot * nv * 16) + nfull,
+                         src + nfull, nv - nfull, lane);
     if (scale_cols) {
       float* ds = reinterpret_cast<float*>(fb[fd] + off_scales) + gslot * scale_cols;
       for (int q = lane; q < scale_cols; q += 32) ds[q] = src_scales[q];
@@ -532,7 +533,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
-    if (v1 > v0) warp_copy16<true, false>(dst + v0, src + v0, v1 - v0, lane);
+    if (v1 > v0) warp_copy16<true>(dst + v0, src + v0, v1 - v0, lane);
     if (h == 0 && L.scale_cols) {
       const int* ss = reinterpret_cast<const int*>(mine + L.off_scales) + gslot * L.scale_cols;
       float* ds = a.out_scales + (size_t)row * L.scale_cols;
