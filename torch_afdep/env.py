@@ -123,6 +123,11 @@ _CONTROLS = (
              "moves the rows into their slots of the receive window, the zero-copy collect "
              "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
              "0 = the payload, then a fence and the count flag"),
+    _control("AFDEP_SMALL_KERNELS", 15, 1,
+             "launches that take the flagged-unit path (AFDEP_LL_SMALL) run kernels compiled "
+             "for that path and one role alone (the dispatch's sender or receiver, the "
+             "reply or the collect: about a fifth of the generic kernel's code, no other "
+             "stage's branches), the same protocol; 0 = the generic kernels"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

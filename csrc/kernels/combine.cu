@@ -315,7 +315,12 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
+// kForm (KernelForm, common.cuh): kGeneric runs every path; kSmallSend / kSmallRecv (see
+// combine_form) only the token layout's flagged-unit reply or collect, so that its code is
+// compact
+template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
+  constexpr bool kSmall = kForm != kGeneric;
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
@@ -327,24 +332,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const uint32_t fl = L.flags;
   const uint64_t n = launch_number(L, kPhaseCombine);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
-  const bool all_peers = !(fl & F_ROLE_WARPS);
-  const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
+  // the small forms run only with the four directional controls on (kLLNeeds)
+  const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
+  const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);
 
-  if (!(fl & F_NO_ENTRY_BARRIER)) {
+  if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
   }
 
-  if (a.do_send) {
+  if (kForm != kSmallRecv && a.do_send) {
     // F_EARLY_LOADS with few rows (token layout) or receipt slots (expert layout): at least
     // four warps for each, in one pass of the grid. The units are fixed by the bucket, so no
     // warp waits for the token counts before loading its row (the counts only say which
     // slots hold tokens); large buckets keep the path below, sized by the tokens received
     const int units = a.tokens ? L.A * a.rps : L.A * a.bucket;
-    if (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw) {
+    if (kSmall || (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw)) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       const int nch = chunks_per_unit(units, nw, nv);
       const int cv = (nv + nch - 1) / nch;
@@ -352,12 +358,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
       // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
       // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
-      const uint32_t llf = L.ll && a.tokens && a.rps <= L.llc_tokens ? ll_flag(n) : 0u;
+      const uint32_t llf = kSmall || (L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n) : 0u;
       for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
-      if (a.tokens) {
+      if (kSmall || a.tokens) {
         reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
@@ -399,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     }
     sys_fence_then_sync(L);
     trace_mark(L, kTrWritten, -1);  // the signalling fences come next
-    if (rwo && L.sized) {
+    if (!kSmall && rwo && L.sized) {
       // The grid may differ per launch, so receivers cannot count CTAs: each CTA fences
       // (covering its rows, after the bar.sync) and arrives on a device-local count; the
       // last one fences again (acquiring the others' releases) and stores the exchange
@@ -432,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         signal_add_sys(L, reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank, 1);
       }
     }
-    if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
+    if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d reply cta %d n %llu comb_done@attn0 %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
@@ -444,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (!exit_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
   }
 
-  if (a.do_recv) {
+  if (kForm != kSmallSend && a.do_recv) {
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
     const int cnch = chunks_per_row(a.T, nw, nv);
@@ -452,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     const uint64_t route0 = pre_route ? (uint64_t)a.route[gw / cnch] : 0;
     // F_LL_SMALL (token layout, T <= kLLTokens * S): the replies' start units, or the count
     // form where an FFN rank sent that (see wait_reply_ll); the fence only for the latter
-    const bool ll = L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens;
+    const bool ll = kSmall || (L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens);
     __shared__ int s_llc[3 * kMaxFfn];
     int fence = 1;
     if (ll) {
@@ -473,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int nsrc = all_peers ? L.W : L.F;
       const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
       bool ok = true;
-      if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
+      if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
         printf("afdep-dbg t %llu rank %d combine cta %d n %llu target %llu comb_done[ffn0] %llu\n",
                (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n, (unsigned long long)target,
                (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
@@ -488,16 +494,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     // this rank's rows (or the exit barrier) seen: read the inbox (flagged units need none)
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
-    if ((L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
+    if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
       printf("afdep-dbg t %llu rank %d combine cta %d n %llu waited, comb_done[ffn0] %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
                  mine + L.off_comb_done) + (all_peers ? 0 : L.rank_of_ffn[0])));
-    if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
+    if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && c == 0)
       printf("afdep-dbg rank %d combine reads token 0 word0 %08x\n", L.rank,
              ld_cg_i32(reinterpret_cast<const int*>(mine + L.off_comb) +
                        (size_t)((L.flags & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0]) * L.C * L.H / 2));
-    if (a.real_recv) {
+    if (kSmall || a.real_recv) {
       // FFN ranks whose reply of this exchange says the buckets differed (they took nothing
       // from this rank): one load per lane, after the wait and its fence like the rows.
       // F_LL_SMALL: an FFN rank that sent units tells a mismatch in its start units instead.
@@ -549,8 +555,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
 }  // namespace
 
+// The form a launch runs (F_SMALL_KERNELS): a small one where the generic kernel would take
+// the flagged-unit reply (its early path, one pass of the grid: 4 warps per row) or collect in
+// one role only (L.ll implies the token layout, early loads and the four directional
+// controls; the sized grid's signal is left to the generic kernel), else the generic kernel.
+int combine_form(const Layout& L, const CombineArgs& a, int grid) {
+  if (!(L.flags & F_SMALL_KERNELS) || !L.ll || L.debug) return kGeneric;
+  if (a.do_send && a.real_send && !a.do_recv && a.tokens && a.rps <= L.llc_tokens &&
+      4 * L.A * a.rps <= grid * kWarps && !L.sized)
+    return kSmallSend;
+  if (a.do_recv && a.real_recv && !a.do_send && a.T <= L.llc_tokens) return kSmallRecv;
+  return kGeneric;
+}
+
 cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream) {
-  return launch_transport_kernel(combine_kernel, L, a, grid, 0, stream);
+  switch (combine_form(L, a, grid)) {
+    case kSmallSend:
+      return launch_transport_kernel(combine_kernel<kSmallSend>, L, a, grid, 0, stream);
+    case kSmallRecv:
+      return launch_transport_kernel(combine_kernel<kSmallRecv>, L, a, grid, 0, stream);
+    default:
+      return launch_transport_kernel(combine_kernel<kGeneric>, L, a, grid, 0, stream);
+  }
 }
 
 }  // namespace afdep

@@ -14,6 +14,10 @@ namespace afdep {
 
 constexpr int kThreads = 512;  // threads per transport CTA (16 warps)
 constexpr int kWarps = kThreads / 32;
+// Which code a transport kernel is compiled for (its template argument): every path, or only
+// the flagged-unit path (F_LL_SMALL) of a sender or of a receiver (F_SMALL_KERNELS). A launch
+// takes a small form only where the generic kernel would take that path too.
+enum KernelForm : int { kGeneric = 0, kSmallSend = 1, kSmallRecv = 2 };
 
 // ---- memory-model primitives -------------------------------------------------------------
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {

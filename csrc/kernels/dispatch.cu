@@ -27,7 +27,7 @@ constexpr int kPreVecs = 2;  // F_EARLY_LOADS: 16-byte row vectors per thread (s
 // the early loads' registers. Sender and receiver decide alike (both know bucket and H); a
 // sender with another bucket may decide otherwise, so each receiver wait also watches the
 // other form and takes such a region as a bucket mismatch.
-__device__ __forceinline__ bool ll_exchange(const Layout& L, const DispatchArgs& a) {
+__host__ __device__ __forceinline__ bool ll_exchange(const Layout& L, const DispatchArgs& a) {
   const int nv = L.row_bytes / 16;
   return L.ll && a.stride <= kLLTokens && a.stride * nv <= kPreVecs * kThreads &&
          a.stride * L.scale_cols <= kThreads;
@@ -620,8 +620,10 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
 // view), so this writes only the metadata of every row and waits until each reported row's
 // payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
 // slot-major (j, region): the order in which rows land when each row has its own flag.
+template <int kForm>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem) {
+  constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
   char* mine = peer_base(L, L.rank);
@@ -751,7 +753,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       a.out_src_rank[row] = sr;
       a.out_src_token[row] = tok;
     }
-    if (L.early && s_ahead[g] == kAheadRows) {  // counts came first: wait for this row's flag
+    // (a small form's senders never publish counts ahead: their rows are below kEarlyMinBytes)
+    if (!kSmall && L.early && s_ahead[g] == kAheadRows) {  // counts first: wait for the row's flag
       int ok = 1;
       if (lane == 0) {
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_rowflag) + row, n, deadline,
@@ -759,7 +762,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
         if (ok) sys_fence_after_wait();  // the row is read by the next kernel
       }
       if (!__shfl_sync(kFull, ok, 0)) return;
-    } else if (L.early && s_ahead[g] == kAheadChannel) {  // wait for the region's payload flag
+    } else if (!kSmall && L.early && s_ahead[g] == kAheadChannel) {  // the region's payload flag
       int ok = 1;
       if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
         ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
@@ -773,10 +776,14 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       }
     }
   }
-  if (L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
+  if (kSmall || L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
 }
 
+// kForm (KernelForm, common.cuh): kGeneric runs every path; kSmallSend / kSmallRecv (see
+// dispatch_form) only the flagged-unit path of one role, so that its code is compact
+template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
+  constexpr bool kSmall = kForm != kGeneric;
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   trace_begin(L);
@@ -785,35 +792,38 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // rank waits for every other inside this kernel: on a GPU that ranks share, those parked
   // CTAs could keep another rank's dispatch off the SMs it needs to finish (2A2F and 3A1F on
   // one H200 under MPS timed out); the combine then launches as this grid ends.
-  if ((L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
+  if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;
-  preload_sender(L, a, pre);
+  if (kForm != kSmallRecv) preload_sender(L, a, pre);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
   // instead of two dependent global loads in front of every remote store
   __shared__ char* s_fb[kMaxFfn];
-  for (int i = tid; i < L.F; i += blockDim.x) s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
+  for (int i = tid; kForm != kSmallRecv && i < L.F; i += blockDim.x)
+    s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
   const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
-  const bool all_peers = !(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS);
-  const bool count_first = !(fl & F_ONE_WAY_COUNTS);
-  const bool rwo = (fl & F_RECEIVER_WAIT_ONLY) != 0;
+  // the small forms run only with the four directional controls on (kLLNeeds)
+  const bool all_peers = !kSmall && (!(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS));
+  const bool count_first = !kSmall && !(fl & F_ONE_WAY_COUNTS);
+  const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
   trace_mark(L, kTrStart, -1);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
-  if (L.trace != nullptr && tid == 0 && a.do_send && (n | (uint64_t)(pre.e + 2)) != 0)
+  if (L.trace != nullptr && tid == 0 && kForm != kSmallRecv && a.do_send &&
+      (n | (uint64_t)(pre.e + 2)) != 0)
     trace_mark(L, kTrLoaded, -1);
-  if ((L.debug & kDbgPrint) && tid == 0 && c == 0)
+  if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && c == 0)
     printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
            L.rank, a.real_send ? "dispatch" : "receive", (unsigned long long)n, a.T);
 
-  if (!(fl & F_NO_ENTRY_BARRIER)) {
+  if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (a.do_send) {
+  if (kForm != kSmallRecv && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
     int* s_slot = s_ecnt + L.E;        // [ceil(T/S)][F] claimed slot per (token, FFN) or -1
@@ -848,12 +858,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // while the payload is in flight, and a per-channel flag marks the payload complete.
     // Streamed expansion: CTAs with many tokens claim them all first (counts ahead, then
     // flagged rows); few tokens gain nothing from row flags (a fence per row).
-    const bool stream = L.stream && hi - lo >= kStreamMinTokens;
-    const bool fused = hi - lo >= kWarps && !stream;
+    const bool stream = !kSmall && L.stream && hi - lo >= kStreamMinTokens;
+    const bool fused = !kSmall && hi - lo >= kWarps && !stream;
     const int nv = L.row_bytes / 16;
     // F_LL_SMALL: metadata, rows (from the early loads' registers: ll_exchange admits only
     // channels that preload_sender loads whole) and the count go out as flagged units
-    const uint32_t llf = (a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
+    const uint32_t llf = (kSmall || (a.real_send && ll_exchange(L, a))) ? ll_flag(n) : 0u;
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
                   pre.ids && t == lo + warp, pre.e, pre.w, llf);
@@ -870,7 +880,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrClaimed, -1);
     // Counts ahead only when this CTA's payload is worth overlapping (kEarlyMinBytes); the
     // receiver reads the choice from the count block's `ahead` word.
-    const bool ahead = L.early && !fused && !llf &&
+    const bool ahead = !kSmall && L.early && !fused && !llf &&
                        (int64_t)(hi - lo) * L.row_bytes >= kEarlyMinBytes;
     const bool row_flags = ahead && stream;  // else one payload flag per channel
     if (ahead)  // metadata fenced inside
@@ -880,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       copy_rows_flagged(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
     } else if (!fused) {  // (a preloaded CTA is never fused, streamed or ahead: too few bytes)
-      if (llf) {  // no fence: each unit carries its own flag
+      if (kSmall || llf) {  // no fence: each unit carries its own flag
         if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, llf);
         for (int fd = tid; fd < L.F; fd += blockDim.x)
           st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
@@ -908,11 +918,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!exit_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (a.do_recv) {
+  if (kForm != kSmallSend && a.do_recv) {
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
     int fence = 1;
-    if (L.ll && a.real_recv) {  // F_LL_SMALL: either form may come (see ll_exchange)
+    if (kSmall || (L.ll && a.real_recv)) {  // F_LL_SMALL: either form may come (ll_exchange)
       fence = 0;
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       for (int i = tid; i < L.A * L.S && ok; i += blockDim.x) {
@@ -937,8 +947,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // counts (and, unless early, payloads) seen: read them (flagged units need no fence)
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
-    if (a.real_recv) {
-      if (L.tokens) place_tokens(L, a, n, deadline, smem);
+    if (kSmall || a.real_recv) {
+      if (kSmall || L.tokens) place_tokens<kForm>(L, a, n, deadline, smem);
       else expand(L, a, n, deadline, smem);
     }
   }
@@ -959,16 +969,36 @@ size_t dispatch_smem_bytes(const Layout& L) {
   return send > recv ? send : recv;
 }
 
+// The form a launch runs (F_SMALL_KERNELS): a small one where this launch takes the
+// flagged-unit path in one role only (L.ll implies the token layout, early loads and the four
+// directional controls), else the generic kernel. Debug output runs the generic kernel.
+int dispatch_form(const Layout& L, const DispatchArgs& a) {
+  if (!(L.flags & F_SMALL_KERNELS) || !L.ll || L.debug || !ll_exchange(L, a)) return kGeneric;
+  if (a.do_send && a.real_send && !a.do_recv) return kSmallSend;
+  if (a.do_recv && a.real_recv && !a.do_send) return kSmallRecv;
+  return kGeneric;
+}
+
 cudaError_t dispatch_prepare(const Layout& L) {
   const size_t smem = dispatch_smem_bytes(L);
-  if (smem > 48 * 1024)
-    return cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)smem);
-  return cudaSuccess;
+  if (smem <= 48 * 1024) return cudaSuccess;
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
+  return e;
 }
 
 cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream) {
-  return launch_transport_kernel(dispatch_kernel, L, a, grid, dispatch_smem_bytes(L), stream);
+  const size_t smem = dispatch_smem_bytes(L);
+  switch (dispatch_form(L, a)) {
+    case kSmallSend:
+      return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
+    case kSmallRecv:
+      return launch_transport_kernel(dispatch_kernel<kSmallRecv>, L, a, grid, smem, stream);
+    default:
+      return launch_transport_kernel(dispatch_kernel<kGeneric>, L, a, grid, smem, stream);
+  }
 }
 
 }  // namespace afdep

@@ -545,6 +545,17 @@ def test_token_layout_ll_small_graphs(layout, dtype_name):
                              zero_copy=True)
 
 
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("1A3F", "bfloat16")])
+def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units
+    through the generic kernels (every other test of the flagged units runs the small kernel
+    forms, the default)."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                                      "AFDEP_SMALL_KERNELS": "0"},
+                             cap=4, zero_copy=True)
+
+
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 def test_token_layout_ll_small_sanitizer_small(dtype_name):
     """The flagged units under compute-sanitizer memcheck: 1A1F, bucket 4, eager plan and 10
