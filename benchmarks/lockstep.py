@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from typing import Any, Dict, List
 
@@ -95,7 +96,8 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
                 errors.append(arms.output_error(out.float(), want))
     finally:
         buf.close()
-    return {"role": role, "times_us": times, "errors": errors}
+    # the pid names this rank in profiler exports (scripts/ncu_summary.py --lockstep)
+    return {"role": role, "pid": os.getpid(), "times_us": times, "errors": errors}
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,8 @@ for cell in $CELLS; do
     timeout 240 $NCU --clock-control none --cache-control $cc --target-processes all \
       --kernel-name "$KERNELS" --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__inst_executed.sum,sm__warps_launched.sum,launch__grid_size \
       -o "$OUT/dur-$name-cc$cc" -f \
-      python3 -m benchmarks.lockstep $args --exchanges "$EXCHANGES" > "$OUT/dur-$name-cc$cc.log" 2>&1
+      python3 -m benchmarks.lockstep $args --exchanges "$EXCHANGES" --out "$OUT/dur-$name-cc$cc.json" \
+      > "$OUT/dur-$name-cc$cc.log" 2>&1
     stamp "durations $name cache-control $cc: rc=$?"
     $NCU -i "$OUT/dur-$name-cc$cc.ncu-rep" --page raw --csv > "$OUT/dur-$name-cc$cc.csv" 2>&1
   done
@@ -52,13 +53,16 @@ for cell in $CELLS; do
     --section LaunchStats --section WarpStateStats --section SourceCounters \
     --section SchedulerStats --section InstructionStats --warp-sampling-interval 0 \
     --import-source no -o "$OUT/samp-$name" -f \
-    python3 -m benchmarks.lockstep $args --exchanges 14 > "$OUT/samp-$name.log" 2>&1
+    python3 -m benchmarks.lockstep $args --exchanges 14 --out "$OUT/samp-$name.json" \
+    > "$OUT/samp-$name.log" 2>&1
   stamp "sampling $name: rc=$?"
   $NCU -i "$OUT/samp-$name.ncu-rep" --page details --csv > "$OUT/samp-$name-details.csv" 2>&1
   $NCU -i "$OUT/samp-$name.ncu-rep" --page raw --csv > "$OUT/samp-$name-raw.csv" 2>&1
   $NCU -i "$OUT/samp-$name.ncu-rep" --page source --csv --print-source sass \
     > "$OUT/samp-$name-source.csv" 2>&1
   stamp "exports $name: $(wc -c < "$OUT/samp-$name-source.csv") bytes of source page"
+  python3 scripts/ncu_summary.py --dir "$OUT" --cell "$name" \
+    --commit "${AFDEP_COMMIT:-?}" --out "$OUT/ncu-summary-$name.json" > "$OUT/ncu-summary-$name.log" 2>&1
 done
 stamp "profile done"
 if [ "${PACK:-0}" = "1" ]; then bash "$(dirname "$0")/pack_out.sh"; fi

@@ -55,9 +55,13 @@ def parse_sass(text: str) -> Dict[str, List[Tuple[int, str]]]:
 
 
 def short_name(mangled: str) -> str:
-    """The kernel's own name inside the mangled one (dispatch_kernel, combine_kernel, ...)."""
-    found = re.findall(r"\d+([a-z_]+_kernel)E", mangled)
-    return found[-1] if found else mangled
+    """The kernel's own name inside the mangled one (dispatch_kernel, combine_kernel, ...),
+    with its integer template argument where it has one (dispatch_kernel<1>: KernelForm)."""
+    found = re.findall(r"\d+([a-z_]+_kernel)(?:ILi(\d+)EE)?E", mangled)
+    if not found:
+        return mangled
+    name, form = found[-1]
+    return f"{name}<{form}>" if form else name
 
 
 def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:

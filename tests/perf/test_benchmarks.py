@@ -888,3 +888,23 @@ def test_cpu_smoke_alt_arm_is_the_afdep_arm_with_one_change(tmp_path):
     md = open(tmp_path / "alt.md").read()
     assert "afdep_alt arm: the afdep arm with AFDEP_SIZED_GRID=1" in md
     assert "| afdep_alt vs afdep |" in md
+
+
+def test_lockstep_cpu_runs_every_step_and_checks_outputs(tmp_path):
+    """benchmarks.lockstep on CPU (gloo): the four steps timed on their ranks, every
+    Attention output checked against the stand-in expert's exact result, pids recorded."""
+    from benchmarks import lockstep
+
+    out = tmp_path / "ls.json"
+    for layout in ("tokens", "experts"):
+        assert lockstep.main(["--device", "cpu", "--exchanges", "3", "--tokens", "5",
+                              "--hidden", "256", "--receive-layout", layout,
+                              "--out", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        ranks = {r["role"]: r for r in doc["ranks"]}
+        assert sorted(ranks["attention"]["times_us"]) == ["collect", "dispatch"]
+        assert sorted(ranks["ffn"]["times_us"]) == ["receive", "reply"]
+        assert all(len(v) == 3 for r in ranks.values() for v in r["times_us"].values())
+        assert len(ranks["attention"]["errors"]) == 3
+        assert max(ranks["attention"]["errors"]) < 1e-6
+        assert ranks["attention"]["pid"] != ranks["ffn"]["pid"]

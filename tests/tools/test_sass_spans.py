@@ -53,3 +53,11 @@ def test_main_reads_a_saved_listing(tmp_path, capsys):
     assert out.splitlines()[0] == "dispatch_kernel: 128 bytes of code, 2 %globaltimer reads"
     assert "stamp_kernel" not in out
     assert "+     64 B (    3 instructions) BAR.SYNC.DEFER_BLOCKING, CALL.REL.NOINC" in out
+
+
+def test_short_name_keeps_the_kernel_form():
+    tool = _tool()
+    assert tool.short_name("_ZN5afdep44_GLOBAL__N__359a11ab_11_dispatch_cu_63705c8615dispatch_"
+                           "kernelILi2EEEvNS_6LayoutENS_12DispatchArgsE") == "dispatch_kernel<2>"
+    assert tool.short_name("_ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm"
+                           ) == "stamp_kernel"
