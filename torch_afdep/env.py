@@ -124,10 +124,12 @@ _CONTROLS = (
              "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
              "0 = the payload, then a fence and the count flag"),
     _control("AFDEP_SMALL_KERNELS", 15, 1,
-             "launches that take the flagged-unit path (AFDEP_LL_SMALL) run kernels compiled "
-             "for that path and one role alone (the dispatch's sender or receiver, the "
-             "reply or the collect: about a fifth of the generic kernel's code, no other "
-             "stage's branches), the same protocol; 0 = the generic kernels"),
+             "with the four directional controls, a launch on a small-T path runs a form of "
+             "its kernel compiled for that path and its role alone: the token layout's "
+             "flagged units (AFDEP_LL_SMALL), or in the expert layout a channel of fewer "
+             "than 16 tokens and 32 KB (no fused, streamed or early-count copy), the "
+             "one-pass reply and the collect (15-32 KB of code instead of 82-134 KB); the "
+             "same protocol; 0 = the generic kernels"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

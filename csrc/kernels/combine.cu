@@ -315,12 +315,14 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
-// kForm (KernelForm, common.cuh): kGeneric runs every path; kSmallSend / kSmallRecv (see
-// combine_form) only the token layout's flagged-unit reply or collect, so that its code is
-// compact
+// kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see combine_form)
+// only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
+// one-pass reply or its count-form collect, so that their code is compact
 template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
+  constexpr bool kUnits = form_units(kForm);
+  constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
@@ -344,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
   }
 
-  if (kForm != kSmallRecv && a.do_send) {
+  if (!kRecvOnly && a.do_send) {
     // F_EARLY_LOADS with few rows (token layout) or receipt slots (expert layout): at least
     // four warps for each, in one pass of the grid. The units are fixed by the bucket, so no
     // warp waits for the token counts before loading its row (the counts only say which
@@ -358,12 +360,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
       // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
       // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
-      const uint32_t llf = kSmall || (L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n) : 0u;
+      const uint32_t llf = kUnits ? ll_flag(n)
+                           : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
+                                                                                 : 0u;
       for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
-      if (kSmall || a.tokens) {
+      if (kUnits || (!kSmall && a.tokens)) {
         reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
@@ -450,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (!exit_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
   }
 
-  if (kForm != kSmallSend && a.do_recv) {
+  if (!kSendOnly && a.do_recv) {
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
     const int cnch = chunks_per_row(a.T, nw, nv);
@@ -458,7 +462,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     const uint64_t route0 = pre_route ? (uint64_t)a.route[gw / cnch] : 0;
     // F_LL_SMALL (token layout, T <= kLLTokens * S): the replies' start units, or the count
     // form where an FFN rank sent that (see wait_reply_ll); the fence only for the latter
-    const bool ll = kSmall || (L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens);
+    const bool ll =
+        kUnits || (!kSmall && L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens);
     __shared__ int s_llc[3 * kMaxFfn];
     int fence = 1;
     if (ll) {
@@ -560,12 +565,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 // one role only (L.ll implies the token layout, early loads and the four directional
 // controls; the sized grid's signal is left to the generic kernel), else the generic kernel.
 int combine_form(const Layout& L, const CombineArgs& a, int grid) {
-  if (!(L.flags & F_SMALL_KERNELS) || !L.ll || L.debug) return kGeneric;
-  if (a.do_send && a.real_send && !a.do_recv && a.tokens && a.rps <= L.llc_tokens &&
-      4 * L.A * a.rps <= grid * kWarps && !L.sized)
-    return kSmallSend;
-  if (a.do_recv && a.real_recv && !a.do_send && a.T <= L.llc_tokens) return kSmallRecv;
-  return kGeneric;
+  if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
+    return kGeneric;
+  const bool send = a.do_send && a.real_send && !a.do_recv;
+  const bool recv = a.do_recv && a.real_recv && !a.do_send;
+  if (L.ll) {  // token layout
+    if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps &&
+        !L.sized)
+      return kSmallSend;
+    return recv && a.T <= L.llc_tokens ? kSmallRecv : kGeneric;
+  }
+  if (L.tokens) return kGeneric;
+  // expert layout: the reply's one-pass path (4 warps per receipt slot) and the collect in the
+  // count form (the only one this layout has)
+  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps && !L.sized)
+    return kCountSend;
+  return recv ? kCountRecv : kGeneric;
 }
 
 cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream) {
@@ -574,6 +589,10 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kSmallSend>, L, a, grid, 0, stream);
     case kSmallRecv:
       return launch_transport_kernel(combine_kernel<kSmallRecv>, L, a, grid, 0, stream);
+    case kCountSend:
+      return launch_transport_kernel(combine_kernel<kCountSend>, L, a, grid, 0, stream);
+    case kCountRecv:
+      return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     default:
       return launch_transport_kernel(combine_kernel<kGeneric>, L, a, grid, 0, stream);
   }

@@ -362,8 +362,11 @@ __device__ __forceinline__ int blk_count(const Layout& L, char* mine, int src_ra
 // without atomics: row = offset of the expert + rows of that expert in earlier regions (source,
 // channel) + the entry's position within its region (from the sender). Work is split into
 // (token, local entry, chunk of the row) units over every warp of the grid.
+template <int kForm>
 __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                        int* smem) {
+  // the count form's senders hold too few tokens per channel for row flags or counts ahead
+  constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
   char* mine = peer_base(L, L.rank);
@@ -424,7 +427,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     }
     s_off[e] = run;
   }
-  if (L.stream && warp == kWarps - 1) {  // s_rb still holds counts (the scan comes next)
+  if (!kSmall && L.stream && warp == kWarps - 1) {  // s_rb still holds counts (scan next)
     int m = 0, rows = 0;
     for (int g = lane; g < nreg; g += 32) {
       m = max(m, s_rb[g]);
@@ -455,7 +458,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   // With row flags, visit (slot, region) slot-major, the order in which rows land (every
   // channel sends its slots in turn); otherwise region-major, without gaps.
-  const bool slot_major = L.stream && *s_maxj >= 0;
+  const bool slot_major = !kSmall && L.stream && *s_maxj >= 0;
   const int units = slot_major ? *s_maxj * nreg * L.R : items;
   for (int u = gw; u < units * nch; u += nw) {
     const int h = u % nch, it = u / nch;
@@ -510,14 +513,14 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       }
     }
     if (row < 0) continue;
-    if (L.early && s_ahead[g] == kAheadRows) {  // counts came first: wait for this row's flag
+    if (!kSmall && L.early && s_ahead[g] == kAheadRows) {  // counts first: wait for the row's flag
       int ok = 1;
       if (lane == 0)
         ok = wait_geq(reinterpret_cast<const uint64_t*>(mine + L.off_rowflag) + gslot, n,
                       deadline, L.err, kPhaseDispatch, sr, L.rank);
       if (!__shfl_sync(0xffffffffu, ok, 0)) return;
       sys_fence_after_wait();
-    } else if (L.early && s_ahead[g] == kAheadChannel) {  // wait for the region's payload flag
+    } else if (!kSmall && L.early && s_ahead[g] == kAheadChannel) {  // the region's payload flag
       int ok = 1;
       if (lane == 0 && !ld_acquire_cta_shared(s_ready + g)) {
         ok = wait_geq(sig_slot(mine, L.off_disp_done, L.W, L.S, sr, ch), n, deadline, L.err,
@@ -779,11 +782,13 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   if (kSmall || L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
 }
 
-// kForm (KernelForm, common.cuh): kGeneric runs every path; kSmallSend / kSmallRecv (see
-// dispatch_form) only the flagged-unit path of one role, so that its code is compact
+// kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see
+// dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
+  constexpr bool kUnits = form_units(kForm);
+  constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   trace_begin(L);
@@ -794,13 +799,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // one H200 under MPS timed out); the combine then launches as this grid ends.
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;
-  if (kForm != kSmallRecv) preload_sender(L, a, pre);
+  if (!kRecvOnly) preload_sender(L, a, pre);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
   // instead of two dependent global loads in front of every remote store
   __shared__ char* s_fb[kMaxFfn];
-  for (int i = tid; kForm != kSmallRecv && i < L.F; i += blockDim.x)
+  for (int i = tid; !kRecvOnly && i < L.F; i += blockDim.x)
     s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
   const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
@@ -812,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   trace_mark(L, kTrStart, -1);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
-  if (L.trace != nullptr && tid == 0 && kForm != kSmallRecv && a.do_send &&
+  if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send &&
       (n | (uint64_t)(pre.e + 2)) != 0)
     trace_mark(L, kTrLoaded, -1);
   if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && c == 0)
@@ -823,7 +828,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (kForm != kSmallRecv && a.do_send) {
+  if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
     int* s_slot = s_ecnt + L.E;        // [ceil(T/S)][F] claimed slot per (token, FFN) or -1
@@ -863,7 +868,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const int nv = L.row_bytes / 16;
     // F_LL_SMALL: metadata, rows (from the early loads' registers: ll_exchange admits only
     // channels that preload_sender loads whole) and the count go out as flagged units
-    const uint32_t llf = (kSmall || (a.real_send && ll_exchange(L, a))) ? ll_flag(n) : 0u;
+    const uint32_t llf = kUnits ? ll_flag(n)
+                         : (!kSmall && a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
                   pre.ids && t == lo + warp, pre.e, pre.w, llf);
@@ -890,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       copy_rows_flagged(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c, n);
       __syncthreads();
     } else if (!fused) {  // (a preloaded CTA is never fused, streamed or ahead: too few bytes)
-      if (kSmall || llf) {  // no fence: each unit carries its own flag
+      if (kUnits || llf) {  // no fence: each unit carries its own flag
         if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, llf);
         for (int fd = tid; fd < L.F; fd += blockDim.x)
           st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
@@ -902,7 +908,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
     }
     trace_mark(L, kTrCopied, -1);
-    if (!count_first && !ahead && !llf)
+    if (!kUnits && !count_first && !ahead && !llf)  // (ll_flag is never 0)
       publish_counts(L, s_fb, n, all_peers, s_cnt, s_ecnt, kAheadNone, send_bucket);
     if (ahead && !row_flags) {
       for (int ti = tid; ti < L.F; ti += blockDim.x)
@@ -918,11 +924,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!exit_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (kForm != kSmallSend && a.do_recv) {
+  if (!kSendOnly && a.do_recv) {
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
     int fence = 1;
-    if (kSmall || (L.ll && a.real_recv)) {  // F_LL_SMALL: either form may come (ll_exchange)
+    if (kUnits || (!kSmall && L.ll && a.real_recv)) {  // F_LL_SMALL: either form (ll_exchange)
       fence = 0;
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       for (int i = tid; i < L.A * L.S && ok; i += blockDim.x) {
@@ -948,8 +954,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kSmall || L.tokens) place_tokens<kForm>(L, a, n, deadline, smem);
-      else expand(L, a, n, deadline, smem);
+      if (kUnits || (!kSmall && L.tokens)) place_tokens<kForm>(L, a, n, deadline, smem);
+      else expand<kForm>(L, a, n, deadline, smem);
     }
   }
 
@@ -973,10 +979,21 @@ size_t dispatch_smem_bytes(const Layout& L) {
 // flagged-unit path in one role only (L.ll implies the token layout, early loads and the four
 // directional controls), else the generic kernel. Debug output runs the generic kernel.
 int dispatch_form(const Layout& L, const DispatchArgs& a) {
-  if (!(L.flags & F_SMALL_KERNELS) || !L.ll || L.debug || !ll_exchange(L, a)) return kGeneric;
-  if (a.do_send && a.real_send && !a.do_recv) return kSmallSend;
-  if (a.do_recv && a.real_recv && !a.do_send) return kSmallRecv;
-  return kGeneric;
+  if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
+    return kGeneric;
+  const bool send = a.do_send && a.real_send && !a.do_recv;
+  const bool recv = a.do_recv && a.real_recv && !a.do_send;
+  if (L.ll) {
+    if (!ll_exchange(L, a)) return kGeneric;
+    return send ? kSmallSend : recv ? kSmallRecv : kGeneric;
+  }
+  if (L.tokens) return kGeneric;
+  // expert layout: the most tokens a channel of this exchange holds (a sender's own T; a
+  // receiver's senders have at most its bucket), below the fused copy, the row flags and the
+  // counts ahead (a mismatched sender's region is taken as empty, whatever it sent)
+  const int per = send ? (a.T + L.S - 1) / L.S : (a.bucket + L.S - 1) / L.S;
+  if (per >= kWarps || (L.early && (int64_t)per * L.row_bytes >= kEarlyMinBytes)) return kGeneric;
+  return send ? kCountSend : recv ? kCountRecv : kGeneric;
 }
 
 cudaError_t dispatch_prepare(const Layout& L) {
@@ -986,6 +1003,8 @@ cudaError_t dispatch_prepare(const Layout& L) {
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   return e;
 }
 
@@ -996,6 +1015,10 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
     case kSmallRecv:
       return launch_transport_kernel(dispatch_kernel<kSmallRecv>, L, a, grid, smem, stream);
+    case kCountSend:
+      return launch_transport_kernel(dispatch_kernel<kCountSend>, L, a, grid, smem, stream);
+    case kCountRecv:
+      return launch_transport_kernel(dispatch_kernel<kCountRecv>, L, a, grid, smem, stream);
     default:
       return launch_transport_kernel(dispatch_kernel<kGeneric>, L, a, grid, smem, stream);
   }

@@ -209,6 +209,19 @@ def test_pdl_reverted_eager(layout, cap, hidden, dtype):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=NO_PDL, seed=9)
 
 
+@pytest.mark.parametrize("layout,cap,hidden,dtype", [("1A1F", 128, 2048, "bfloat16"),
+                                                    ("2A2F", 128, 4096, "bfloat16"),
+                                                    ("3A1F", 128, 2048, "float8_e4m3fn")])
+def test_small_kernels_reverted_eager(layout, cap, hidden, dtype):
+    """AFDEP_SMALL_KERNELS=0: the generic kernels on every path. With the default the plan's
+    small-T exchanges (and bucket 128 at hidden 2,048) run the expert layout's count-block
+    kernel forms and the larger ones the generic kernels, in one sequence
+    (test_eager_role_aware); here every exchange runs the generic kernels."""
+    kw = cfg_kw(layout, cap, hidden, dtype)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env={"AFDEP_SMALL_KERNELS": "0"},
+        seed=11)
+
+
 # the eager cases and graph cells that the small-batch controls' tests share
 EAGER_SMALL = [c for c in CASES if c[0] == "1A1F"] + [("2A2F", 128, 4096, "bfloat16"),
                                                      ("3A1F", 128, 2048, "float8_e4m3fn")]
