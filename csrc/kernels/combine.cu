@@ -334,7 +334,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const uint32_t fl = L.flags;
   const uint64_t n = launch_number(L, kPhaseCombine);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
-  // the small forms run only with the four directional controls on (kLLNeeds)
+  // the small forms run only with the four directional controls on (dispatch_form and
+  // combine_form check them)
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
@@ -560,10 +561,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
 }  // namespace
 
-// The form a launch runs (F_SMALL_KERNELS): a small one where the generic kernel would take
-// the flagged-unit reply (its early path, one pass of the grid: 4 warps per row) or collect in
-// one role only (L.ll implies the token layout, early loads and the four directional
-// controls; the sized grid's signal is left to the generic kernel), else the generic kernel.
+// The form a launch runs (F_SMALL_KERNELS), in one role only and with the four directional
+// controls: the token layout's flagged-unit reply (its early path, one pass of the grid: 4
+// warps per row) or collect; the expert layout's one-pass reply or its collect; else the
+// generic kernel (also for debug output and the sized grid's signal).
 int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;

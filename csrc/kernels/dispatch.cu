@@ -809,7 +809,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
   const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
-  // the small forms run only with the four directional controls on (kLLNeeds)
+  // the small forms run only with the four directional controls on (dispatch_form and
+  // combine_form check them)
   const bool all_peers = !kSmall && (!(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS));
   const bool count_first = !kSmall && !(fl & F_ONE_WAY_COUNTS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
@@ -975,9 +976,9 @@ size_t dispatch_smem_bytes(const Layout& L) {
   return send > recv ? send : recv;
 }
 
-// The form a launch runs (F_SMALL_KERNELS): a small one where this launch takes the
-// flagged-unit path in one role only (L.ll implies the token layout, early loads and the four
-// directional controls), else the generic kernel. Debug output runs the generic kernel.
+// The form a launch runs (F_SMALL_KERNELS), in one role only and with the four directional
+// controls: the flagged-unit path (L.ll: token layout, early loads), or the expert layout's
+// count-block path at few tokens per channel; else the generic kernel (also for debug output).
 int dispatch_form(const Layout& L, const DispatchArgs& a) {
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;

@@ -32,9 +32,10 @@ namespace afdep {
                                kernels' start */                                              \
   X(LL_SMALL, 14)           /* token layout, at most kLLTokens per channel: the dispatch's    \
                                words and the reply's rows travel in flagged 8-byte units, no  \
-                               fence and no flag in front of them */                           \
-  X(SMALL_KERNELS, 15)      /* launches on the flagged-unit path run kernels compiled for     \
-                               that path and one role alone (compact code) */
+                               fence and no flag in front of them */                          \
+  X(SMALL_KERNELS, 15)      /* launches on a small-T path (flagged units; the expert layout's \
+                               count blocks) run kernels compiled for that path and one role  \
+                               alone (compact code) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
