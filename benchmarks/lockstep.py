@@ -27,9 +27,9 @@ machine, commit, per-exchange step times and errors.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
+import time
 from typing import Any, Dict, List
 
 from benchmarks import arms, common
@@ -71,13 +71,14 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             torch.cuda.synchronize()
             times[name].append(a.elapsed_time(b) * 1000.0)
         else:
-            t0 = datetime.datetime.now()
+            t0 = time.perf_counter()
             out = fn()
-            times[name].append((datetime.datetime.now() - t0).total_seconds() * 1e6)
+            times[name].append((time.perf_counter() - t0) * 1e6)
         return out
 
     try:
-        n_rows = cfg.token_rows(bucket) if cfg.receive_layout == "tokens" else cfg.recv_rows(bucket)
+        n_rows = (cfg.token_rows(bucket) if cfg.receive_layout == "tokens"
+                  else cfg.recv_rows(bucket))
         reply = None if att else tx.new_reply(n_rows, cfg.hidden_size, dev)
         for e in range(spec["exchanges"]):
             if att:  # fresh inputs every exchange, made before the lockstep begins

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,15 +10,13 @@ import sys
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _setup_check():
-    path = os.path.join(ROOT, "scripts", "setup_check.py")
-    spec = importlib.util.spec_from_file_location("setup_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("setup_check")
 
 
 def test_metadata_declares_torch_211_and_no_exact_pins(tmp_path):

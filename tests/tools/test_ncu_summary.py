@@ -3,21 +3,17 @@ the grids, per-kernel durations past the warm-up launches, stall fractions per s
 (a templated kernel's doubled source blocks taken once)."""
 
 import csv
-import importlib.util
 import json
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.scripts import load_script
+
 DISPATCH = "void unnamed>::dispatch_kernel<{}>(Layout, DispatchArgs)"
 COMBINE = "void unnamed>::combine_kernel<{}>(Layout, CombineArgs)"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "ncu_summary", os.path.join(ROOT, "scripts", "ncu_summary.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ncu_summary")
 
 
 def _write(path, rows):

@@ -1,10 +1,7 @@
 """scripts/sass_spans.py on a synthetic `cuobjdump -sass` listing: kernels split by name, code
 bytes, and each %globaltimer read with the bytes and notable instructions since the previous."""
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.scripts import load_script
 
 LISTING = """
 	code for sm_90a
@@ -26,11 +23,7 @@ LISTING = """
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "sass_spans", os.path.join(ROOT, "scripts", "sass_spans.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sass_spans")
 
 
 def test_kernels_code_bytes_and_stamp_spans():
