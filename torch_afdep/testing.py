@@ -71,6 +71,18 @@ def _start_method(device_ids) -> str:
     return method
 
 
+def _all_joined(store, rank: int, world_size: int) -> None:
+    """Return once every rank's ``init_process_group`` has returned. Gloo's full-mesh connect
+    can finish on one side of a pair before the other: a rank whose body is over at once then
+    closes its sockets under a slower peer that is still connecting, and that peer's init
+    fails with "Connection closed by peer" (CI, four ranks printing and exiting)."""
+    import datetime
+
+    store.set(f"afdep_world/joined/{rank}", "1")
+    store.wait([f"afdep_world/joined/{r}" for r in range(world_size)],
+               datetime.timedelta(seconds=300))
+
+
 def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids, env):
     # a forked rank inherits the fork server's environment: make it the caller's (env holds
     # all of it then), as a spawned rank's would be
@@ -101,6 +113,7 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
             torch.cuda.set_device(device_ids[rank])
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+        _all_joined(store, rank, world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
