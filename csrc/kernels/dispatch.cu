@@ -792,6 +792,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   trace_begin(L);
+  // the start stamp before the first loads: a stamp behind the first store of a loaded value
+  // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
+  trace_mark(L, kTrStart, -1);
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
   // end) may take the SMs this grid leaves idle and wait there in pdl_wait. Not when every
   // rank waits for every other inside this kernel: on a GPU that ranks share, those parked
@@ -815,7 +818,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool count_first = !kSmall && !(fl & F_ONE_WAY_COUNTS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = peer_base(L, L.rank);
-  trace_mark(L, kTrStart, -1);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
   if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send &&
