@@ -142,6 +142,7 @@ class _Rank:
         return Config(capacity_tokens_per_rank=s["capacity"], hidden_size=hidden,
                       num_experts=s["experts"], top_k=s["top_k"], ffn_ranks=self.F,
                       attention_ranks=self.A, dtype=DTYPES[dtype], num_sms=s["sms"],
+                      local_sms=s.get("local_sms", 0),
                       timeout_s=float(s["kernel_timeout_s"]),
                       receive_layout=receive_layout,
                       num_slots=1)  # one exchange in flight: the protocol cost only

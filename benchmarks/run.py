@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capacity_tokens_per_rank of the afdep buffers")
     g.add_argument("--sms", type=int, default=DEFAULTS["sms"],
                    help="Config.num_sms of the afdep arms")
+    g.add_argument("--local-sms", type=int, default=0,
+                   help="Config.local_sms of the afdep arms (0: the default, one CTA per SM "
+                        "divided among the ranks sharing a GPU)")
     g.add_argument("--gpus", type=int, default=0,
                    help="GPUs to spread ranks over (0 = every visible GPU; with --dry-run, "
                         "the GPU count to plan for)")
@@ -225,7 +228,7 @@ def make_plan(args: argparse.Namespace, n_gpus: int) -> Dict[str, Any]:
                         "gpus": report.gpu_of_ranks(a + f, n_gpus)})
     return {"cells": cells, "layouts": layouts, "arms": list(args.arms),
             "receive_layouts": list(args.receive_layouts), "repeats": args.repeats, "experts": args.experts, "top_k": args.top_k,
-            "capacity": args.capacity, "sms": args.sms}
+            "capacity": args.capacity, "sms": args.sms, "local_sms": args.local_sms}
 
 
 def arm_order(arms: List[str], repeat: int) -> List[str]:
@@ -420,7 +423,8 @@ def run_world(arm: str, layout: Dict[str, Any], repeat: int, plan: Dict[str, Any
     os.makedirs(out_dir, exist_ok=True)
     spec = {"arm": arm, "repeat": repeat, "attention_ranks": layout["attention"],
             "ffn_ranks": layout["ffn"], "experts": args.experts, "top_k": args.top_k,
-            "capacity": args.capacity, "sms": args.sms, "kernel_timeout_s": args.kernel_timeout,
+            "capacity": args.capacity, "sms": args.sms, "local_sms": args.local_sms,
+            "kernel_timeout_s": args.kernel_timeout,
             "ctrl_timeout_s": max(60.0, 3 * args.kernel_timeout), "cells": plan["cells"],
             "indices": report.arm_cells(arm, plan),
             "warmup": args.warmup, "replays": args.replays, "eager_steps": args.eager_steps,

@@ -269,6 +269,9 @@ def main(argv=None) -> int:
     p.add_argument("--arms", nargs="+", default=["afdep", "symmetric"],
                    choices=["afdep", "symmetric"])
     p.add_argument("--sms", type=int, default=24)
+    p.add_argument("--local-sms", type=int, default=0,
+                   help="Config.local_sms (0: the default, one CTA per SM divided among the "
+                        "ranks sharing the GPU)")
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--exchanges-per-replay", type=int, default=1,
                    help="exchanges captured back to back in each graph (1..8), each position "
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
         for arm in args.arms:  # arms interleaved, one fresh world each
             spec = {"arm": arm, "attention_ranks": 1, "ffn_ranks": 1,
                     "capacity": args.capacity or max(args.tokens), "experts": 128, "top_k": 8,
-                    "sms": args.sms,
+                    "sms": args.sms, "local_sms": args.local_sms,
                     "kernel_timeout_s": 20.0, "ctrl_timeout_s": 120, "hidden": args.hidden,
                     "dtype": args.dtype, "routing": args.routing, "tokens": args.tokens,
                     "receive_layout": args.receive_layout,
