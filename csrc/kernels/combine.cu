@@ -40,7 +40,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item,
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
-  char* const base = attn_base(L, ai);
+  char* const base = reinterpret_cast<char*>(ld_u64_now(L.attn_bases + ai));
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
@@ -161,8 +161,8 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = rows + (size_t)row * nv;
     const int tok = a.src_token[row];
-    // the destination's window with the row's loads, not after them: its only load
-    char* base = attn_base(L, row / a.rps);
+    // the destination's window with the row's loads, not behind the token index's
+    char* base = reinterpret_cast<char*>(ld_u64_now(L.attn_bases + row / a.rps));
     int4 v[U];
 #pragma unroll
     for (int q = 0; q < U; ++q)

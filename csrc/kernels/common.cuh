@@ -123,6 +123,15 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   return v;
 }
 
+// A 64-bit load issued where it is written (the window-base tables): a volatile load, which
+// ptxas may not sink below the branch that first needs it, behind the loads that branch waits
+// for (a plain or .nc load it sank there, one latency later).
+__device__ __forceinline__ uint64_t ld_u64_now(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
