@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_layouts_accepted_by_the_cli():
                                   ["--afdep-env", "AFDEP_SIZED_GRID"],
                                   ["--arms", "afdep", "afdep_alt"],  # no --alt-env
                                   ["--alt-env", "AFDEP_LL_SMALL=1"],  # no afdep_alt arm
-                                  ["--arms", "afdep_alt", "--alt-env", "AFDEP_BOGUS=1"]])
+                                  ["--arms", "afdep_alt", "--alt-env", "AFDEP_BOGUS=1"],
+                                  ["--local-sms", "-1"], ["--local-sms", "1025"]])
 def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run.parse_args(argv)
@@ -97,6 +99,21 @@ def test_plan_maps_ranks_round_robin_and_skips_nccl_when_gpus_are_shared():
     assert run.skip_reason("afdep", 8, 2, {"afdep_cuda_ext": True}) is None
     assert "_cuda" in run.skip_reason("symmetric", 2, 2, {"afdep_cuda_ext": False,
                                                           "afdep_cuda_ext_error": "x"})
+
+
+def test_local_sms_reaches_the_plan_and_every_afdep_config():
+    """--local-sms (Config.local_sms: CTAs of the FFN's receive and reply and of the
+    Attention's collect) is recorded in the plan and given to each afdep buffer's Config;
+    0, the default, keeps Config's own default."""
+    assert run.parse_args([]).local_sms == 0
+    a = run.parse_args(["--quick", "--local-sms", "8"])
+    assert run.make_plan(a, 1)["local_sms"] == 8
+    spec = {"capacity": 64, "experts": 8, "top_k": 2, "sms": 4, "kernel_timeout_s": 5.0,
+            "local_sms": 8}
+    rank = types.SimpleNamespace(spec=spec, F=1, A=1)
+    assert arms._Rank.config(rank, 256, "bf16", "tokens").local_sms == 8
+    del spec["local_sms"]  # a spec written before the option: the default
+    assert arms._Rank.config(rank, 256, "bf16").local_sms == 0
 
 
 def test_arm_order_rotates_across_repeats():

@@ -142,6 +142,7 @@ def test_back_to_back_exchanges_split_by_position():
     (["--afdep-env", "AFDEP_NOPE=1"], "--afdep-env takes NAME=0|1"),
     (["--afdep-env", "AFDEP_WIDE_LOCAL=maybe"], "got 'AFDEP_WIDE_LOCAL=maybe'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--local-sms", "-1"], "--local-sms must be in [0, 1024] (0: the default), got -1"),
     (["--exchanges-per-replay", "0"], "--exchanges-per-replay must be in [1, 8], got 0"),
     (["--queue-ahead-us", "-1"], "--queue-ahead-us must be in [0, 10000]"),
     (["--tokens", "64", "--capacity", "32"], "--tokens must be in [1, --capacity=32]"),
