@@ -31,16 +31,16 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
-// (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
+// at window `base` (fp32 sum of the token's valid rows; one row is copied as is, none gives
+// zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
-__device__ void reply_chunk(const Layout& L, const CombineArgs& a, size_t item,
+__device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* base, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
                             int warp, int src_idx, int slot = -1) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
-  char* const base = reinterpret_cast<char*>(ld_u64_now(L.attn_bases + ai));
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
@@ -376,9 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         for (int u = gw; u < units * nch; u += nw) {
           const int h = u % nch, q = u / nch;
           const int ai = q / a.bucket, v0 = h * cv, v1 = min(nv, v0 + cv);
+          // the destination's window: a load beside the slot's own, no bar.sync behind s_ab
           if (v1 > v0)
-            reply_chunk(L, a, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
-                        q % a.bucket);
+            reply_chunk(L, a, reinterpret_cast<char*>(ld_u64_now(L.attn_bases + ai)), (size_t)q,
+                        ai, v0, v1, h == 0, lane, s_rows, warp, src_idx, q % a.bucket);
         }
       }
       // for the completion signal below (after the bar.sync in front of it); filled after
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
           const int v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
-            reply_chunk(L, a, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
+            reply_chunk(L, a, s_ab[ai], item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
         }
       }
     }

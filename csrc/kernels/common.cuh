@@ -128,7 +128,7 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 // for (a plain or .nc load it sank there, one latency later).
 __device__ __forceinline__ uint64_t ld_u64_now(const uint64_t* p) {
   uint64_t v;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
 }
 
