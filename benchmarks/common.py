@@ -65,6 +65,12 @@ def check_timing_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--queue-ahead-us must be in [0, 10000]")
 
 
+def check_local_sms(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--local-sms`` (Config.local_sms; 0 keeps Config's default), the same in every tool."""
+    if not 0 <= args.local_sms <= 1024:
+        p.error(f"--local-sms must be in [0, 1024] (0: the default), got {args.local_sms}")
+
+
 def parse_afdep_env(p: argparse.ArgumentParser, items: List[str],
                     option: str = "--afdep-env") -> Dict[str, str]:
     """``--afdep-env NAME=0|1`` items (or ``option``'s) -> {NAME: value}; NAME must be a

@@ -206,8 +206,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     f"{args.experts - args.experts % f}")
     if args.gpus < 0:
         p.error("--gpus must be >= 0")
-    if not 0 <= args.local_sms <= 1024:
-        p.error(f"--local-sms must be in [0, 1024] (0: the default), got {args.local_sms}")
+    common.check_local_sms(p, args)
     if args.top_k < 1 or args.top_k > args.experts:
         p.error("--top-k must be in [1, --experts]")
     args.arms = list(dict.fromkeys(args.arms))

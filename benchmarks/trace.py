@@ -286,8 +286,7 @@ def main(argv=None) -> int:
     afdep_env = common.parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if not 0 <= args.local_sms <= 1024:
-        p.error(f"--local-sms must be in [0, 1024] (0: the default), got {args.local_sms}")
+    common.check_local_sms(p, args)
     if not 1 <= args.exchanges_per_replay <= 8:
         p.error(f"--exchanges-per-replay must be in [1, 8], got {args.exchanges_per_replay}")
     common.check_timing_args(p, args)
