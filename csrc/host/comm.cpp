@@ -47,8 +47,6 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   for (int r = 0; r < L.W; ++r) (cfg.is_ffn[r] ? ffn : attn).push_back(r);
   L.F = (int)ffn.size();
   ffn_rank0_ = ffn.empty() ? -1 : ffn[0];
-  ffn_ranks_ = ffn;
-  attn_ranks_ = attn;
   L.A = (int)attn.size();
   if (L.F < 1 || L.A < 1) throw std::invalid_argument("need at least one FFN and one Attention rank");
   if (L.F > 64) throw std::invalid_argument("at most 64 FFN ranks");
@@ -99,12 +97,10 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (dispatch_smem_bytes(L) > 200 * 1024)
     throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
 
-  // device workspace: peer table [W] u64 | ffn bases [F] u64 | attn bases [A] u64 |
-  // counters [2][Gmax] u64 | arrive [4] u32 | ffn [F] | attn [A] | mismatch [A]
+  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | arrive [4] u32 |
+  // ffn [F] | attn [A] | mismatch [A]
   const size_t o_peer = 0;
-  const size_t o_fbase = o_peer + (size_t)L.W * 8;
-  const size_t o_abase = o_fbase + (size_t)L.F * 8;
-  const size_t o_ctr = o_abase + (size_t)L.A * 8;
+  const size_t o_ctr = o_peer + (size_t)L.W * 8;
   const size_t o_arr = o_ctr + (size_t)2 * L.Gmax * 8;
   const size_t o_ffn = o_arr + 4 * 4;
   const size_t o_attn = o_ffn + (size_t)L.F * 4;
@@ -116,8 +112,6 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   check(cudaMemcpy(ws + o_ffn, ffn.data(), ffn.size() * 4, cudaMemcpyHostToDevice), "copy ffn");
   check(cudaMemcpy(ws + o_attn, attn.data(), attn.size() * 4, cudaMemcpyHostToDevice), "copy attn");
   L.peer_bases = reinterpret_cast<const uint64_t*>(ws + o_peer);
-  L.ffn_bases = reinterpret_cast<const uint64_t*>(ws + o_fbase);
-  L.attn_bases = reinterpret_cast<const uint64_t*>(ws + o_abase);
   L.counters = reinterpret_cast<uint64_t*>(ws + o_ctr);
   L.arrive = reinterpret_cast<unsigned*>(ws + o_arr);
   L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
@@ -178,16 +172,6 @@ void Comm::open(const std::vector<std::string>& handles) {
   check(cudaMemcpy(const_cast<uint64_t*>(L_.peer_bases), b.data(), b.size() * 8,
                    cudaMemcpyHostToDevice),
         "copy peer table");
-  std::vector<uint64_t> fb(L_.F), ab(L_.A);
-  for (int i = 0; i < L_.F; ++i) fb[i] = b[ffn_ranks_[i]];
-  for (int i = 0; i < L_.A; ++i) ab[i] = b[attn_ranks_[i]];
-  check(cudaMemcpy(const_cast<uint64_t*>(L_.ffn_bases), fb.data(), fb.size() * 8,
-                   cudaMemcpyHostToDevice),
-        "copy ffn bases");
-  check(cudaMemcpy(const_cast<uint64_t*>(L_.attn_bases), ab.data(), ab.size() * 8,
-                   cudaMemcpyHostToDevice),
-        "copy attn bases");
-  L_.self_base = b[L_.rank];
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   opened_ = true;
 }

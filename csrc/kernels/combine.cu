@@ -31,11 +31,10 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
-// at window `base` (fp32 sum of the token's valid rows; one row is copied as is, none gives
-// zeros).
+// (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
-__device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* base, size_t item,
+__device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
                             int warp, int src_idx, int slot = -1) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
@@ -56,7 +55,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* base, s
   if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
   __syncwarp();
   const int nv = L.H / 8;
-  int4* dst = reinterpret_cast<int4*>(base + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
+  int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   const int4* rows = static_cast<const int4*>(a.rows);
   if (nvalid == 1) {
     warp_copy16<false>(dst + v0, rows + (size_t)s_rows[warp][0] * nv + v0, v1 - v0, lane);
@@ -120,7 +119,7 @@ __device__ __forceinline__ void report_mismatch(const Layout& L, const CombineAr
                                                 uint64_t n) {
   const int sb = L.mismatch[ai];
   if (sb == 0) return;
-  ReplyStatus* st = reinterpret_cast<ReplyStatus*>(attn_base(L, ai) +
+  ReplyStatus* st = reinterpret_cast<ReplyStatus*>(peer_base(L, L.rank_of_attn[ai]) +
                                                    L.off_reply_status) + L.my_index;
   st->ffn_bucket = a.bucket;
   st->sender_bucket = sb;
@@ -161,8 +160,6 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = rows + (size_t)row * nv;
     const int tok = a.src_token[row];
-    // the destination's window with the row's loads, not behind the token index's
-    char* base = reinterpret_cast<char*>(ld_u64_now(L.attn_bases + row / a.rps));
     int4 v[U];
 #pragma unroll
     for (int q = 0; q < U; ++q)
@@ -178,6 +175,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
+    char* base = peer_base(L, L.rank_of_attn[row / a.rps]);
     if (llf) {
       uint64_t* dst = llc_row(L, base, L.my_index, tok);
 #pragma unroll
@@ -206,7 +204,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 // the deadline (reported).
 __device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t llf,
                              uint64_t deadline, int* s_llc) {
-  char* mine = self_base(L);
+  char* mine = peer_base(L, L.rank);
   const int sr = L.rank_of_ffn[f];
   const uint64_t* u = llc_start(L, mine, f);
   const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
@@ -240,7 +238,7 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
   if (L.F < 64) mask &= (1ull << L.F) - 1;
   const int nv = L.H / 8;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-  char* mine = self_base(L);
+  char* mine = peer_base(L, L.rank);
   const int4* inbox = reinterpret_cast<const int4*>(mine + L.off_comb);
   const int src0 = role ? 0 : L.rank_of_ffn[0];
   int4* dst = a.in_place ? const_cast<int4*>(inbox) + ((size_t)src0 * L.C + t) * nv
@@ -282,7 +280,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-  const int4* inbox = reinterpret_cast<const int4*>(self_base(L) + L.off_comb);
+  const int4* inbox = reinterpret_cast<const int4*>(peer_base(L, L.rank) + L.off_comb);
   if (a.in_place) {  // F == 1: the reply row is the result; only unrouted rows need zeros
     if (!(mask & 1ull)) {
       const int src = role ? 0 : L.rank_of_ffn[0];
@@ -340,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // combine_form check them)
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
-  char* mine = self_base(L);
+  char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);
@@ -359,39 +357,36 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       const int nch = chunks_per_unit(units, nw, nv);
       const int cv = (nv + nch - 1) / nch;
+      // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
+      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
       // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
       // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
       const uint32_t llf = kUnits ? ll_flag(n)
                            : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
                                                                                  : 0u;
-      // from the grid's last CTA: the first rows sit on the first CTAs' warps, which then
-      // load their rows without waiting behind these stores' loads
-      for (int ai = tid; llf && c == gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
+      for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
-        st_ll2(llc_start(L, attn_base(L, ai), L.my_index), sb ? a.bucket : 0, sb, llf);
+        st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
       if (kUnits || (!kSmall && a.tokens)) {
         reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
       } else {
+        __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {
           const int h = u % nch, q = u / nch;
           const int ai = q / a.bucket, v0 = h * cv, v1 = min(nv, v0 + cv);
-          // the destination's window: a load beside the slot's own, no bar.sync behind s_ab
           if (v1 > v0)
-            reply_chunk(L, a, reinterpret_cast<char*>(ld_u64_now(L.attn_bases + ai)), (size_t)q,
-                        ai, v0, v1, h == 0, lane, s_rows, warp, src_idx, q % a.bucket);
+            reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
+                        q % a.bucket);
         }
       }
-      // for the completion signal below (after the bar.sync in front of it); filled after
-      // the rows, whose loads would otherwise wait behind these in each CTA's first warp
-      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_base(L, ai);
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
       for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x) report_mismatch(L, a, ai, n);
     } else if (a.real_send) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       for (int ai = tid; ai < L.A; ai += blockDim.x) {
         s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
-        s_ab[ai] = attn_base(L, ai);
+        s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
         if (c == 0) report_mismatch(L, a, ai, n);
       }
       __syncthreads();
@@ -409,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
           const int v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
-            reply_chunk(L, a, s_ab[ai], item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
+            reply_chunk(L, a, s_ab, item, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx);
         }
       }
     }
@@ -431,20 +426,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           L.arrive[2] = 0;
           fence_acq_rel_sys();
           for (int ti = 0; own_flags && ti < L.A; ++ti)
-            st_relaxed_sys(reinterpret_cast<uint64_t*>(attn_base(L, ti) +
+            st_relaxed_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
                                                        L.off_comb_done) + L.rank, n);
         }
       }
       __syncthreads();
       for (int ti = tid; !own_flags && s_last && ti < L.A; ti += blockDim.x)
-        st_release_sys(reinterpret_cast<uint64_t*>(attn_base(L, ti) +
+        st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
                                                    L.off_comb_done) + L.rank, n);
     } else if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
         char* base = all_peers ? peer_base(L, ti)
-                     : a.real_send ? s_ab[ti] : attn_base(L, ti);
+                     : a.real_send ? s_ab[ti] : peer_base(L, L.rank_of_attn[ti]);
         signal_add_sys(L, reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank, 1);
       }
     }
@@ -452,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       printf("afdep-dbg t %llu rank %d reply cta %d n %llu comb_done@attn0 %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
-                 attn_base(L, 0) + L.off_comb_done) + L.rank));
+                 peer_base(L, L.rank_of_attn[0]) + L.off_comb_done) + L.rank));
     trace_mark(L, kTrSent, kTrMaxSent);
   }
 

@@ -123,15 +123,6 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   return v;
 }
 
-// A 64-bit load issued where it is written (the window-base tables): a volatile load, which
-// ptxas may not sink below the branch that first needs it, behind the loads that branch waits
-// for (a plain or .nc load it sank there, one latency later).
-__device__ __forceinline__ uint64_t ld_u64_now(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -459,21 +450,6 @@ __device__ __forceinline__ char* peer_base(const Layout& L, int r) {
   return reinterpret_cast<char*>(L.peer_bases[r]);
 }
 
-// This rank's window: a kernel parameter, so no global load stands in front of its use.
-__device__ __forceinline__ char* self_base(const Layout& L) {
-  return reinterpret_cast<char*>(L.self_base);
-}
-
-// Window of FFN index i / Attention index i: one load (peer_base(L, L.rank_of_ffn[i]) is two
-// dependent ones).
-__device__ __forceinline__ char* ffn_base(const Layout& L, int i) {
-  return reinterpret_cast<char*>(L.ffn_bases[i]);
-}
-
-__device__ __forceinline__ char* attn_base(const Layout& L, int i) {
-  return reinterpret_cast<char*>(L.attn_bases[i]);
-}
-
 __device__ __forceinline__ uint64_t* sig_slot(char* base, int64_t off, int W, int S, int src, int ch) {
   return reinterpret_cast<uint64_t*>(base + off) + (size_t)src * S + ch;
 }
@@ -492,7 +468,7 @@ __device__ __forceinline__ bool entry_barrier(const Layout& L, int phase, uint64
     st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
   bool ok = true;
   for (int p = threadIdx.x; p < L.W && ok; p += blockDim.x)
-    ok = wait_geq(sig_slot(self_base(L), off, L.W, L.S, p, c), n, deadline, err, phase, p,
+    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, p, c), n, deadline, err, phase, p,
                   L.rank);
   return __syncthreads_and(ok ? 1 : 0);
 }
@@ -507,7 +483,7 @@ __device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_
     signal_store_sys(L, sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
   bool ok = true;
   for (int i = threadIdx.x; i < L.W * L.S && ok; i += blockDim.x) {
-    ok = wait_geq(sig_slot(self_base(L), off, L.W, L.S, i / L.S, i % L.S), n, deadline,
+    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, i / L.S, i % L.S), n, deadline,
                   err, phase, i / L.S, L.rank);
   }
   return __syncthreads_and(ok ? 1 : 0);

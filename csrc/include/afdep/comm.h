@@ -114,7 +114,6 @@ class Comm {
   bool opened_ = false, closed_ = false;
   bool reply_due_ = false;  // FFN: a receive was launched and its reply not yet
   int ffn_rank0_ = -1;  // group rank of the first FFN rank (the union layout's view source)
-  std::vector<int> ffn_ranks_, attn_ranks_;  // group rank of each FFN / Attention index
 };
 
 }  // namespace afdep

@@ -202,11 +202,6 @@ struct Layout {
   int64_t signal_bytes, dispatch_bytes, combine_bytes, window_bytes;
   // device pointers
   const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
-  // The same bases by role index, and this rank's own: one load (or none) where
-  // peer_bases[rank_of_ffn[i]] is two dependent loads in front of a remote store
-  const uint64_t* ffn_bases;   // [F] window base of each FFN index
-  const uint64_t* attn_bases;  // [A] window base of each Attention index
-  uint64_t self_base;          // this rank's window (a kernel parameter: no load at all)
   const int* rank_of_ffn;      // [F]
   const int* rank_of_attn;     // [A]
   uint64_t* counters;          // [2][Gmax] per-CTA exchange counters (device-local); sized
