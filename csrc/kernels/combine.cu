@@ -364,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const uint32_t llf = kUnits ? ll_flag(n)
                            : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
                                                                                  : 0u;
+      if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);

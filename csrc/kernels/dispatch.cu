@@ -78,6 +78,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   uint64_t mask = (uint64_t)lo | ((uint64_t)hi << 32);
   if (!count_only) {
     if (lane == 0) a.route[t] = (int64_t)mask;
+#pragma unroll 1  // one step for F <= 32; unrolled, 1.2 KB of code in front of every claim
     for (int q = lane; q < L.F; q += 32) s_slot[i * L.F + q] = -1;
     __syncwarp();
   }
@@ -873,6 +874,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // channels that preload_sender loads whole) and the count go out as flagged units
     const uint32_t llf = kUnits ? ll_flag(n)
                          : (!kSmall && a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
+    // ll_flag is never 0: the unit form's code then holds no count-block store path
+    if (kUnits) __builtin_assume(llf != 0u);
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
                   pre.ids && t == lo + warp, pre.e, pre.w, llf);
