@@ -874,8 +874,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     // channels that preload_sender loads whole) and the count go out as flagged units
     const uint32_t llf = kUnits ? ll_flag(n)
                          : (!kSmall && a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
-    // ll_flag is never 0: the unit form's code then holds no count-block store path
-    if (kUnits) __builtin_assume(llf != 0u);
     for (int t = lo + warp; t < hi; t += kWarps) {
       claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
                   pre.ids && t == lo + warp, pre.e, pre.w, llf);
