@@ -1,5 +1,7 @@
 """One JSON summary of what scripts/gpu_profile.sh wrote for a cell: per kernel role, the ncu
-durations of every launch (both cache controls) and the sampled warp stalls.
+durations of every launch (both cache controls) and the sampled warp stalls: their reasons,
+the instructions that hold the most samples, and the samples per span of code between
+%globaltimer reads (the trace's stages, as scripts/sass_spans.py names them).
 
 Usage:
     python scripts/ncu_summary.py --dir PROFILE_DIR --cell tokens-T1 [--commit HASH]
@@ -29,6 +31,7 @@ from typing import Any, Dict, List, Optional
 ROLE_OF = {("attention", "dispatch_kernel"): "A dispatch", ("attention", "combine_kernel"): "A collect",
            ("ffn", "dispatch_kernel"): "F receive", ("ffn", "combine_kernel"): "F reply"}
 WARMUP = 2  # launches per kernel left out of the medians (module load, first touches)
+HOT = 12  # instructions listed per sampled result (hot_instructions)
 
 
 def num(s: str) -> float:
@@ -138,8 +141,48 @@ def sampling(details: str, source: str, roles: Optional[Dict[str, str]] = None
                     "kernel": kernel_base(r["Kernel Name"]), "form": kernel_form(r["Kernel Name"]),
                     "result": int(rid), "samples": int(total),
                     "inst_executed": int(sum(num(x.get("Instructions Executed", "")) for x in block)),
-                    "stall_fraction": {k: round(v / total, 4) for k, v in stalls.most_common()}})
+                    "stall_fraction": {k: round(v / total, 4) for k, v in stalls.most_common()},
+                    "hot": hot_instructions(block, total),
+                    "spans": timer_spans(block, total)})
     return out
+
+
+def row_stalls(x: Dict[str, str]) -> collections.Counter:
+    """One SASS row's samples per stall reason (the issued and not-issued columns together)."""
+    c: collections.Counter = collections.Counter()
+    for k, v in x.items():
+        if k.startswith("stall_") and "Not Issued" not in k and num(v):
+            c[k[len("stall_"):]] += num(v)
+    return c
+
+
+def hot_instructions(block: List[Dict[str, str]], total: float, n: int = HOT
+                     ) -> List[Dict[str, Any]]:
+    """The n SASS instructions with the most samples: where a warp of this kernel waits."""
+    rows = [(sum(row_stalls(x).values()), x) for x in block]
+    rows = sorted((t for t in rows if t[0] > 0), key=lambda t: -t[0])[:n]
+    return [{"address": x.get("Address", ""), "sass": x.get("Source", "").strip(),
+             "fraction": round(v / total, 4),
+             "stalls": {k: int(c) for k, c in row_stalls(x).most_common(3)}} for v, x in rows]
+
+
+def timer_spans(block: List[Dict[str, str]], total: float) -> List[Dict[str, Any]]:
+    """Samples per span of code between %globaltimer reads (the trace stamps and deadlines,
+    as scripts/sass_spans.py prints them), in address order: which stage's code the warps sat
+    in. A span starts at its timer read; the first one at the kernel's first instruction."""
+    def addr(x: Dict[str, str]) -> int:
+        try:
+            return int(x.get("Address", ""), 16)
+        except ValueError:
+            return -1
+    spans: List[Dict[str, Any]] = []
+    for x in sorted(block, key=addr):
+        if not spans or "SR_GLOBALTIMER" in x.get("Source", ""):
+            spans.append({"start": x.get("Address", ""), "instructions": 0, "samples": 0.0})
+        spans[-1]["instructions"] += 1
+        spans[-1]["samples"] += sum(row_stalls(x).values())
+    return [{"start": s["start"], "instructions": s["instructions"],
+             "fraction": round(s["samples"] / total, 4)} for s in spans]
 
 
 def lockstep_roles(path: str) -> Optional[Dict[str, str]]:
@@ -183,6 +226,11 @@ def main(argv=None) -> int:
     for s in doc["sampling"] or []:
         top = ", ".join(f"{k} {v * 100:.0f}%" for k, v in list(s["stall_fraction"].items())[:5])
         print(f"sampled #{s['result']} {s['role']:11s} {s['samples']:5d} samples: {top}")
+        for h in s["hot"][:5]:
+            why = ", ".join(f"{k} {v}" for k, v in h["stalls"].items())
+            print(f"    {h['address']:>8s} {h['fraction'] * 100:5.1f}%  {h['sass'][:60]:60s} {why}")
+        spans = "  ".join(f"{x['start']}:{x['fraction'] * 100:.0f}%" for x in s["spans"])
+        print(f"    by %globaltimer span: {spans}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -74,3 +74,30 @@ def test_sampling_fractions_and_doubled_blocks(tmp_path):
     assert [s["role"] for s in got] == ["F receive", "A dispatch"]
     assert got[0]["stall_fraction"] == {"no_inst": 0.75, "barrier": 0.25}
     assert got[1]["stall_fraction"]["barrier"] == 1.0 and got[1]["samples"] == 4
+
+
+def test_hot_instructions_and_timer_spans(tmp_path):
+    tool = _tool()
+    tmp = str(tmp_path)
+    _write(os.path.join(tmp, "samp-c-details.csv"),
+           [["ID", "Process ID", "Kernel Name", "Grid Size"],
+            ["0", "11", COMBINE.format(1), "(66, 1, 1)"]])
+    head = ["Address", "Source", "Instructions Executed", "stall_long_sb", "stall_barrier",
+            "stall_long_sb (Not Issued)"]
+    # rows out of address order; two %globaltimer reads split the code into three spans
+    rows = [["0x40", "LDG.E R4, desc[UR6][R2.64]", "66", "30", "0", "500"],
+            ["0x00", "LDC R1, c[0x0][0x28]", "66", "2", "0", "0"],
+            ["0x20", "CS2R R2, SR_GLOBALTIMERLO", "66", "0", "0", "0"],
+            ["0x30", "BAR.SYNC.DEFER_BLOCKING 0x0", "66", "0", "8", "0"],
+            ["0x50", "CS2R R6, SR_GLOBALTIMERLO", "66", "0", "0", "0"],
+            ["0x60", "EXIT", "66", "0", "0", "0"],
+            ["0x10", "NOP", "66", "0", "0", "0"]]
+    _write(os.path.join(tmp, "samp-c-source.csv"), [["Kernel Name", COMBINE.format(1)], head] + rows)
+    (got,) = tool.summarize(tmp, "c")["sampling"]
+    assert got["samples"] == 40
+    # hottest first; rows without samples left out; the not-issued column is not a reason
+    assert [h["address"] for h in got["hot"]] == ["0x40", "0x30", "0x00"]
+    assert got["hot"][0] == {"address": "0x40", "sass": "LDG.E R4, desc[UR6][R2.64]",
+                             "fraction": 0.75, "stalls": {"long_sb": 30}}
+    assert [(s["start"], s["instructions"], s["fraction"]) for s in got["spans"]] == [
+        ("0x00", 2, 0.05), ("0x20", 3, 0.95), ("0x50", 2, 0.0)]
