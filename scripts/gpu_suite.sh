@@ -49,19 +49,7 @@ if [ "${BUILD:-pip}" = "skip" ]; then
   stamp "build skipped (BUILD=skip)" | tee -a "$OUT/build.log"
 elif [ "${BUILD:-pip}" = "cuda-only" ] || ! $PY -m pip install --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1; then
   stamp "BUILD=cuda-only or pip install failed: building the extensions in place" | tee -a "$OUT/build.log"
-  $PY - >>"$OUT/build.log" 2>&1 <<'PYEOF'
-import os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "csrc"))
-from cuda_build import backend_extension_args, make_cuda_extension
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
-exts = [make_cuda_extension(os.getcwd(), None)]
-if os.environ.get("WITH_BACKEND") == "1":  # the c10d backend too (the gpu-marked tests need it)
-    exts.append(CppExtension("torch_afdep._C", **backend_extension_args(os.getcwd())))
-setup(name="torch_afdep_cuda_only", ext_modules=exts,
-      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-      script_args=["build_ext", "--inplace"])
-PYEOF
+  $PY "$(dirname "$0")/build_inplace.py" >>"$OUT/build.log" 2>&1
   export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 fi
 stamp "build done" | tee -a "$OUT/build.log"
