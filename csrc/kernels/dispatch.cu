@@ -624,9 +624,38 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
 // view), so this writes only the metadata of every row and waits until each reported row's
 // payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
 // slot-major (j, region): the order in which rows land when each row has its own flag.
+// Token layout, region g = (Attention index, channel) seen (either form): its token count and
+// `ahead` word into place_tokens' arrays (smem: s_cnt, s_ready, s_ahead, s_form, each [nreg]).
+// Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records it
+// for the reply and reports it once per source.
+__device__ void book_region(const Layout& L, const DispatchArgs& a, int g, int sr, char* mine,
+                            int* smem) {
+  const int nreg = L.A * L.S, stride = a.stride;
+  int *s_cnt = smem, *s_ready = s_cnt + nreg, *s_ahead = s_ready + nreg;
+  const int* s_form = s_ahead + nreg;
+  const bool units = L.ll && s_form[g];
+  const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, g % L.S);
+  const int word = units ? s_form[2 * nreg + g]
+                         : ld_cg_i32(reinterpret_cast<const int*>(
+                               cnt_block(L, mine, sr, g % L.S) + 12));
+  const int sb = (int)((unsigned)word >> kAheadBits);
+  const bool differs = sb != 0 && sb != a.bucket;
+  // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
+  if (!differs && count > stride && blockIdx.x == 0) report_route(L.err, count, kRouteOverflow);
+  s_cnt[g] = differs ? 0 : min(max(count, 0), stride);
+  s_ready[g] = 0;
+  s_ahead[g] = differs ? -1 : (word & kAheadMask);
+  if (blockIdx.x == 0 && g % L.S == 0) {
+    L.mismatch[g / L.S] = differs ? sb : 0;
+    if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
+  }
+}
+
+// booked: every region's arrays are already written (the small receive books each region as
+// its wait ends) and published by a barrier
 template <int kForm>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
-                             int* smem) {
+                             int* smem, bool booked) {
   constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
@@ -639,28 +668,11 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   // ahead | bucket words (wait_region_ll)
   const int* s_form = s_ahead + nreg;
   const uint32_t llf = ll_flag(n);
-  // Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records
-  // it for the reply and reports it once per source.
-  for (int g = tid; g < nreg; g += blockDim.x) {
-    const int sr = L.rank_of_attn[g / L.S];
-    const bool units = L.ll && s_form[g];
-    const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, g % L.S);
-    const int word = units ? s_form[2 * nreg + g]
-                           : ld_cg_i32(reinterpret_cast<const int*>(
-                                 cnt_block(L, mine, sr, g % L.S) + 12));
-    const int sb = (int)((unsigned)word >> kAheadBits);
-    const bool differs = sb != 0 && sb != a.bucket;
-    // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
-    if (!differs && count > stride && c == 0) report_route(L.err, count, kRouteOverflow);
-    s_cnt[g] = differs ? 0 : min(max(count, 0), stride);
-    s_ready[g] = 0;
-    s_ahead[g] = differs ? -1 : (word & kAheadMask);
-    if (c == 0 && g % L.S == 0) {
-      L.mismatch[g / L.S] = differs ? sb : 0;
-      if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
-    }
+  if (!booked) {
+    for (int g = tid; g < nreg; g += blockDim.x)
+      book_region(L, a, g, L.rank_of_attn[g / L.S], mine, smem);
+    __syncthreads();
   }
-  __syncthreads();
   trace_mark(L, kTrReady, -1);
   if (c == 0) {
     for (int ai = tid; ai < L.A; ai += blockDim.x) {
@@ -932,7 +944,28 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
     int fence = 1;
-    if (kUnits || (!kSmall && L.ll && a.real_recv)) {  // F_LL_SMALL: either form (ll_exchange)
+    bool booked = false;
+    if (kUnits) {
+      // F_LL_SMALL, small form: each thread books its regions as their waits end, and one
+      // barrier publishes them; only a count-block region (a bucket mismatch) or a timeout
+      // takes the second path: the fence, then those regions' counts
+      int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
+      int st = 0;                          // bit 0: timed out, bit 1: a count block came
+      for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
+        const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
+        if (form == 1) book_region(L, a, i, L.rank_of_attn[i / L.S], mine, smem);
+        st |= form < 0 ? 1 : form == 0 ? 2 : 0;
+      }
+      if (__syncthreads_or(st)) {
+        if (__syncthreads_or(st & 1)) return;
+        sys_fence_after_wait();
+        for (int i = tid; i < L.A * L.S; i += blockDim.x)
+          if (!s_form[i]) book_region(L, a, i, L.rank_of_attn[i / L.S], mine, smem);
+        __syncthreads();
+      }
+      booked = true;
+      fence = 0;
+    } else if (!kSmall && L.ll && a.real_recv) {  // F_LL_SMALL: either form (ll_exchange)
       fence = 0;
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       for (int i = tid; i < L.A * L.S && ok; i += blockDim.x) {
@@ -958,7 +991,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kUnits || (!kSmall && L.tokens)) place_tokens<kForm>(L, a, n, deadline, smem);
+      if (kUnits || (!kSmall && L.tokens)) place_tokens<kForm>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
     }
   }
