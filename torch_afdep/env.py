@@ -130,13 +130,6 @@ _CONTROLS = (
              "than 16 tokens and 32 KB (no fused, streamed or early-count copy), the "
              "one-pass reply and the collect (15-32 KB of code instead of 82-134 KB); the "
              "same protocol; 0 = the generic kernels"),
-    _control("AFDEP_EARLY_SETUP", 16, 1,
-             "the token layout's small reply (AFDEP_SMALL_KERNELS with flagged units) loads "
-             "what no kernel since the previous reply wrote (its exchange number, the "
-             "Attention ranks' window bases) before griddepcontrol.wait, i.e. while the "
-             "kernel in front of it (the caller's expert) drains under PDL; the token "
-             "indices, bucket mismatches and rows after it; "
-             "no effect without AFDEP_PDL; 0 = the wait first"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

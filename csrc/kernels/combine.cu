@@ -149,11 +149,8 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
 // row's token index (the row is the caller's, always readable), then stores it only if the
 // row holds a token, so the store waits for one load latency instead of two. llf != 0
 // (F_LL_SMALL): the chunk goes into the token's row units at its source, flagged llf.
-// base0 (F_EARLY_SETUP), else nullptr: the window base of the warp's first row, loaded before
-// the kernel's wait.
 __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int nch, int cv,
-                                       int gw, int nw, int lane, int src_idx, uint32_t llf,
-                                       char* base0) {
+                                       int gw, int nw, int lane, int src_idx, uint32_t llf) {
   constexpr int U = 4;  // vectors per lane loaded up front (a chunk of 128 vectors)
   const int nv = L.H / 8;
   const int nrows = L.A * a.rps;
@@ -178,7 +175,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
-    char* base = base0 != nullptr && u == gw ? base0 : peer_base(L, L.rank_of_attn[row / a.rps]);
+    char* base = peer_base(L, L.rank_of_attn[row / a.rps]);
     if (llf) {
       uint64_t* dst = llc_row(L, base, L.my_index, tok);
 #pragma unroll
@@ -331,12 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
-  // F_EARLY_SETUP: the token layout's small reply loads what no kernel since the previous
-  // reply wrote (exchange number, window bases) before it waits for the kernel in front of it
-  // (PDL: that kernel's drain overlaps the loads); whatever the receive kernel wrote (token
-  // indices, bucket mismatches) and the rows come after the wait
-  const bool setup = kForm == kSmallSend && (L.flags & F_EARLY_SETUP);
-  if (!setup) pdl_wait(L);
+  pdl_wait(L);
   trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t fl = L.flags;
@@ -349,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   char* mine = peer_base(L, L.rank);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
-  if (!setup) trace_mark(L, kTrStart, -1);
+  trace_mark(L, kTrStart, -1);
 
   if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
@@ -373,18 +365,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
                            : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
                                                                                  : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
-      char* base0 = nullptr;
-      if (setup) {
-        if (gw < L.A * a.rps * nch) base0 = peer_base(L, L.rank_of_attn[gw / nch / a.rps]);
-        pdl_wait(L);
-        trace_mark(L, kTrStart, -1);
-      }
       for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
       if (kUnits || (!kSmall && a.tokens)) {
-        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf, base0);
+        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {

@@ -35,10 +35,7 @@ namespace afdep {
                                fence and no flag in front of them */                          \
   X(SMALL_KERNELS, 15)      /* launches on a small-T path (flagged units; the expert layout's \
                                count blocks) run kernels compiled for that path and one role  \
-                               alone (compact code) */                                     \
-  X(EARLY_SETUP, 16)        /* token layout's small reply: the exchange number and window     \
-                               bases loaded before waiting for the previous kernel (needs     \
-                               PDL to overlap anything) */
+                               alone (compact code) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
