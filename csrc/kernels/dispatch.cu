@@ -619,11 +619,6 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
   }
 }
 
-// Receiver side of the token layout: the payload already sits where the FFN reads it (the
-// inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
-// view), so this writes only the metadata of every row and waits until each reported row's
-// payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
-// slot-major (j, region): the order in which rows land when each row has its own flag.
 // Token layout, region g = (Attention index, channel) seen (either form): its token count and
 // `ahead` word into place_tokens' arrays (smem: s_cnt, s_ready, s_ahead, s_form, each [nreg]).
 // Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records it
@@ -651,6 +646,11 @@ __device__ void book_region(const Layout& L, const DispatchArgs& a, int g, int s
   }
 }
 
+// Receiver side of the token layout: the payload already sits where the FFN reads it (the
+// inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
+// view), so this writes only the metadata of every row and waits until each reported row's
+// payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
+// slot-major (j, region): the order in which rows land when each row has its own flag.
 // booked: every region's arrays are already written (the small receive books each region as
 // its wait ends) and published by a barrier
 template <int kForm>
