@@ -623,9 +623,9 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
 // `ahead` word into place_tokens' arrays (smem: s_cnt, s_ready, s_ahead, s_form, each [nreg]).
 // Bucket check as in expand: a differing sender's region is taken as empty, CTA 0 records it
 // for the reply and reports it once per source.
-__device__ void book_region(const Layout& L, const DispatchArgs& a, int g, int sr, char* mine,
-                            int* smem) {
+__device__ void book_region(const Layout& L, const DispatchArgs& a, int g, char* mine, int* smem) {
   const int nreg = L.A * L.S, stride = a.stride;
+  const int sr = L.rank_of_attn[g / L.S];  // only the count form and the reports use it
   int *s_cnt = smem, *s_ready = s_cnt + nreg, *s_ahead = s_ready + nreg;
   const int* s_form = s_ahead + nreg;
   const bool units = L.ll && s_form[g];
@@ -670,7 +670,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   const uint32_t llf = ll_flag(n);
   if (!booked) {
     for (int g = tid; g < nreg; g += blockDim.x)
-      book_region(L, a, g, L.rank_of_attn[g / L.S], mine, smem);
+      book_region(L, a, g, mine, smem);
     __syncthreads();
   }
   trace_mark(L, kTrReady, -1);
@@ -953,14 +953,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
         const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
-        if (form == 1) book_region(L, a, i, L.rank_of_attn[i / L.S], mine, smem);
+        if (form == 1) book_region(L, a, i, mine, smem);
         st |= form < 0 ? 1 : form == 0 ? 2 : 0;
       }
       if (__syncthreads_or(st)) {
         if (__syncthreads_or(st & 1)) return;
         sys_fence_after_wait();
         for (int i = tid; i < L.A * L.S; i += blockDim.x)
-          if (!s_form[i]) book_region(L, a, i, L.rank_of_attn[i / L.S], mine, smem);
+          if (!s_form[i]) book_region(L, a, i, mine, smem);
         __syncthreads();
       }
       booked = true;
