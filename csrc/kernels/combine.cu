@@ -319,8 +319,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
 template <int kForm>
-__global__ void __launch_bounds__(kThreads, 1)
-    combine_kernel(const __grid_constant__ Layout L, const __grid_constant__ CombineArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
@@ -329,7 +328,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
-  const int pf = param_prefetch(L, a);  // first: its misses overlap the wait
   pdl_wait(L);
   trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -559,7 +557,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   trace_mark(L, kTrEnd, kTrMaxEnd);
   trace_flush(L, kPhaseCombine, n);
-  param_sink(pf);
   end_launch(L, kPhaseCombine, n);
 }
 

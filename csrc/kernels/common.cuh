@@ -85,34 +85,6 @@ __device__ __forceinline__ void pdl_launch_dependents(const Layout& L) {
 #endif
 }
 
-// ---- parameter prefetch --------------------------------------------------------------------
-// A kernel's parameters (the Layout and its phase's arguments, about 550 bytes) sit in
-// constant bank 0 and reach the SM's constant caches a line at a time, on first use, so a
-// warp that meets the lines one after another waits for each miss in turn (ncu at T = 1:
-// constant misses are 11-14% of every kernel's warp samples). Warp w loads line w of the two
-// blocks (one address per warp) first thing, so the misses overlap, and under PDL they do so
-// before the wait. The kernels' parameters must be __grid_constant__ (an address
-// of a by-value parameter would copy it to the stack). Returns the loaded word for
-// param_sink, which the kernel calls at its end: an unused load would be removed.
-template <typename Args>
-__device__ __forceinline__ int param_prefetch(const Layout& L, const Args& a) {
-  constexpr int kLinesL = (int)(sizeof(Layout) + 63) / 64;
-  constexpr int kLinesA = (int)(sizeof(Args) + 63) / 64;
-  static_assert(kLinesL + kLinesA <= kThreads / 32, "one line per warp");
-  const int warp = threadIdx.x >> 5;  // warps past the lines load the last one again
-  if (warp < kLinesL) return reinterpret_cast<const int*>(&L)[16 * warp];
-  return reinterpret_cast<const int*>(&a)[16 * min(warp - kLinesL, kLinesA - 1)];
-}
-
-// Consumes param_prefetch's word: a store to a shared word nobody reads, for one value only.
-__device__ __forceinline__ void param_sink(int v) {
-  __shared__ int s_sink;
-  if (v == (int)0x9e3779b9)
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(&s_sink)),
-                 "r"(v)
-                 : "memory");
-}
-
 // Host: launch a transport kernel; under F_PDL with the programmatic-serialization attribute
 // (cudaLaunchKernelEx), else the plain launch.
 template <typename Args>

@@ -798,13 +798,11 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 template <int kForm>
-__global__ void __launch_bounds__(kThreads, 1)
-    dispatch_kernel(const __grid_constant__ Layout L, const __grid_constant__ DispatchArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
-  const int pf = param_prefetch(L, a);  // first: its misses overlap the wait
   pdl_wait(L);
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
@@ -1001,7 +999,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   trace_mark(L, kTrEnd, kTrMaxEnd);
   trace_flush(L, kPhaseDispatch, n);
-  param_sink(pf);
   end_launch(L, kPhaseDispatch, n);
 }
 
