@@ -8,6 +8,7 @@
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
+#      TRACE_ALT_ENV (NAME=VALUE ...: the trace once more with these controls, trace-alt.json),
 #      AFDEP_COMMIT (the commit a copied tree records in results),
 #      SHARDS=<n> (n concurrent pytest shards under MPS, each with 1/n of the SMs; the tests
 #      SERIAL_K selects, and failures, run alone afterwards: scripts/shard_pytest.py;
@@ -171,6 +172,12 @@ if [ "${TRACE:-0}" = "1" ]; then
   timeout "${TRACE_TIMEOUT:-150}" $PY -m benchmarks.trace --out "$OUT/trace.json" ${TRACE_ARGS:-} \
     >>"$OUT/trace.log" 2>&1
   echo "trace rc=$?" | tee -a "$OUT/trace.log"; tail -34 "$OUT/trace.log"
+fi
+if [ "${TRACE:-0}" = "1" ] && [ -n "${TRACE_ALT_ENV:-}" ]; then  # the same trace, controls on top
+  stamp "benchmarks.trace --afdep-env $TRACE_ALT_ENV" | tee "$OUT/trace-alt.log"
+  timeout "${TRACE_TIMEOUT:-150}" $PY -m benchmarks.trace --out "$OUT/trace-alt.json" ${TRACE_ARGS:-} \
+    --afdep-env $TRACE_ALT_ENV >>"$OUT/trace-alt.log" 2>&1
+  echo "trace (alt) rc=$?" | tee -a "$OUT/trace-alt.log"; tail -34 "$OUT/trace-alt.log"
 fi
 stamp "suite done"
 # PACK=1: one $OUT/bundle.tgz instead of many files (the device returns at most 8)

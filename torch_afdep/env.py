@@ -130,6 +130,12 @@ _CONTROLS = (
              "than 16 tokens and 32 KB (no fused, streamed or early-count copy), the "
              "one-pass reply and the collect (15-32 KB of code instead of 82-134 KB); the "
              "same protocol; 0 = the generic kernels"),
+    _control("AFDEP_PARAM_BASES", 16, 1,
+             "the window addresses of this rank and of the first 8 ranks of each role travel "
+             "in the kernels' parameters, so the dispatch's stores to an FFN rank and the "
+             "reply's to an Attention rank need no global load first; the same protocol; 0 = "
+             "each address from the role's rank table, then the peer table (two dependent "
+             "loads)"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -47,6 +47,7 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   for (int r = 0; r < L.W; ++r) (cfg.is_ffn[r] ? ffn : attn).push_back(r);
   L.F = (int)ffn.size();
   ffn_rank0_ = ffn.empty() ? -1 : ffn[0];
+  is_ffn_ = cfg.is_ffn;
   L.A = (int)attn.size();
   if (L.F < 1 || L.A < 1) throw std::invalid_argument("need at least one FFN and one Attention rank");
   if (L.F > 64) throw std::invalid_argument("at most 64 FFN ranks");
@@ -172,6 +173,15 @@ void Comm::open(const std::vector<std::string>& handles) {
   check(cudaMemcpy(const_cast<uint64_t*>(L_.peer_bases), b.data(), b.size() * 8,
                    cudaMemcpyHostToDevice),
         "copy peer table");
+  if (L_.flags & F_PARAM_BASES) {  // the kernels' common bases without a global load
+    L_.own_base = b[L_.rank];
+    int f = 0, a = 0;
+    for (int r = 0; r < L_.W; ++r) {
+      if (is_ffn_[r] && f < kParamBases) L_.ffn_base[f] = b[r];
+      if (!is_ffn_[r] && a < kParamBases) L_.attn_base[a] = b[r];
+      (is_ffn_[r] ? f : a) += 1;
+    }
+  }
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   opened_ = true;
 }

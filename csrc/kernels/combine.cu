@@ -119,7 +119,7 @@ __device__ __forceinline__ void report_mismatch(const Layout& L, const CombineAr
                                                 uint64_t n) {
   const int sb = L.mismatch[ai];
   if (sb == 0) return;
-  ReplyStatus* st = reinterpret_cast<ReplyStatus*>(peer_base(L, L.rank_of_attn[ai]) +
+  ReplyStatus* st = reinterpret_cast<ReplyStatus*>(attn_window(L, ai) +
                                                    L.off_reply_status) + L.my_index;
   st->ffn_bucket = a.bucket;
   st->sender_bucket = sb;
@@ -175,7 +175,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
-    char* base = peer_base(L, L.rank_of_attn[row / a.rps]);
+    char* base = attn_window(L, row / a.rps);
     if (llf) {
       uint64_t* dst = llc_row(L, base, L.my_index, tok);
 #pragma unroll
@@ -204,7 +204,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 // the deadline (reported).
 __device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t llf,
                              uint64_t deadline, int* s_llc) {
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int sr = L.rank_of_ffn[f];
   const uint64_t* u = llc_start(L, mine, f);
   const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
@@ -238,7 +238,7 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
   if (L.F < 64) mask &= (1ull << L.F) - 1;
   const int nv = L.H / 8;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int4* inbox = reinterpret_cast<const int4*>(mine + L.off_comb);
   const int src0 = role ? 0 : L.rank_of_ffn[0];
   int4* dst = a.in_place ? const_cast<int4*>(inbox) + ((size_t)src0 * L.C + t) * nv
@@ -280,7 +280,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-  const int4* inbox = reinterpret_cast<const int4*>(peer_base(L, L.rank) + L.off_comb);
+  const int4* inbox = reinterpret_cast<const int4*>(own_window(L) + L.off_comb);
   if (a.in_place) {  // F == 1: the reply row is the result; only unrouted rows need zeros
     if (!(mask & 1ull)) {
       const int src = role ? 0 : L.rank_of_ffn[0];
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // combine_form check them)
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int nch = chunks_per_unit(units, nw, nv);
       const int cv = (nv + nch - 1) / nch;
       // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
-      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
+      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
       // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
       // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
       const uint32_t llf = kUnits ? ll_flag(n)
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       for (int ai = tid; ai < L.A; ai += blockDim.x) {
         s_tb[ai] = min(max(a.num_tokens[ai], 0), a.bucket);
-        s_ab[ai] = peer_base(L, L.rank_of_attn[ai]);
+        s_ab[ai] = attn_window(L, ai);
         if (c == 0) report_mismatch(L, a, ai, n);
       }
       __syncthreads();
@@ -427,20 +427,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           L.arrive[2] = 0;
           fence_acq_rel_sys();
           for (int ti = 0; own_flags && ti < L.A; ++ti)
-            st_relaxed_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
+            st_relaxed_sys(reinterpret_cast<uint64_t*>(attn_window(L, ti) +
                                                        L.off_comb_done) + L.rank, n);
         }
       }
       __syncthreads();
       for (int ti = tid; !own_flags && s_last && ti < L.A; ti += blockDim.x)
-        st_release_sys(reinterpret_cast<uint64_t*>(peer_base(L, L.rank_of_attn[ti]) +
+        st_release_sys(reinterpret_cast<uint64_t*>(attn_window(L, ti) +
                                                    L.off_comb_done) + L.rank, n);
     } else if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
         char* base = all_peers ? peer_base(L, ti)
-                     : a.real_send ? s_ab[ti] : peer_base(L, L.rank_of_attn[ti]);
+                     : a.real_send ? s_ab[ti] : attn_window(L, ti);
         signal_add_sys(L, reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank, 1);
       }
     }
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       printf("afdep-dbg t %llu rank %d reply cta %d n %llu comb_done@attn0 %llu\n",
              (unsigned long long)global_timer_ns(), L.rank, c, (unsigned long long)n,
              (unsigned long long)ld_acquire_sys(reinterpret_cast<const uint64_t*>(
-                 peer_base(L, L.rank_of_attn[0]) + L.off_comb_done) + L.rank));
+                 attn_window(L, 0) + L.off_comb_done) + L.rank));
     trace_mark(L, kTrSent, kTrMaxSent);
   }
 

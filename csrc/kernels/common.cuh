@@ -450,6 +450,24 @@ __device__ __forceinline__ char* peer_base(const Layout& L, int r) {
   return reinterpret_cast<char*>(L.peer_bases[r]);
 }
 
+// The windows the kernels address by role index, and their own. F_PARAM_BASES: from the
+// parameter block (the host's entries are 0 without it, and past kParamBases); otherwise the
+// role's rank table, then the peer table: two dependent global loads, which sat in front of
+// the dispatch's first remote store and of every reply row's.
+__device__ __forceinline__ char* own_window(const Layout& L) {
+  return L.own_base ? reinterpret_cast<char*>(L.own_base) : peer_base(L, L.rank);
+}
+
+__device__ __forceinline__ char* ffn_window(const Layout& L, int f) {
+  const uint64_t b = f < kParamBases ? L.ffn_base[f] : 0;
+  return b ? reinterpret_cast<char*>(b) : peer_base(L, L.rank_of_ffn[f]);
+}
+
+__device__ __forceinline__ char* attn_window(const Layout& L, int ai) {
+  const uint64_t b = ai < kParamBases ? L.attn_base[ai] : 0;
+  return b ? reinterpret_cast<char*>(b) : peer_base(L, L.rank_of_attn[ai]);
+}
+
 __device__ __forceinline__ uint64_t* sig_slot(char* base, int64_t off, int W, int S, int src, int ch) {
   return reinterpret_cast<uint64_t*>(base + off) + (size_t)src * S + ch;
 }
@@ -468,7 +486,7 @@ __device__ __forceinline__ bool entry_barrier(const Layout& L, int phase, uint64
     st_release_sys(sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
   bool ok = true;
   for (int p = threadIdx.x; p < L.W && ok; p += blockDim.x)
-    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, p, c), n, deadline, err, phase, p,
+    ok = wait_geq(sig_slot(own_window(L), off, L.W, L.S, p, c), n, deadline, err, phase, p,
                   L.rank);
   return __syncthreads_and(ok ? 1 : 0);
 }
@@ -483,7 +501,7 @@ __device__ __forceinline__ bool exit_barrier(const Layout& L, int phase, uint64_
     signal_store_sys(L, sig_slot(peer_base(L, p), off, L.W, L.S, L.rank, c), n);
   bool ok = true;
   for (int i = threadIdx.x; i < L.W * L.S && ok; i += blockDim.x) {
-    ok = wait_geq(sig_slot(peer_base(L, L.rank), off, L.W, L.S, i / L.S, i % L.S), n, deadline,
+    ok = wait_geq(sig_slot(own_window(L), off, L.W, L.S, i / L.S, i % L.S), n, deadline,
                   err, phase, i / L.S, L.rank);
   }
   return __syncthreads_and(ok ? 1 : 0);

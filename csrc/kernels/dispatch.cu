@@ -370,7 +370,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int nreg = L.A * L.S, El = L.El;
   int* s_tab = smem;                // [nreg][El] rows per (region, expert) -> prefix over regions
   int* s_off = s_tab + nreg * El;   // [El + 1] first row of each expert
@@ -585,7 +585,7 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
 __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n,
                               uint64_t deadline, const int* s_cnt, const int* s_form) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, nv = L.row_bytes / 16;
   // warps counted from the grid's end: the first rows' metadata (place_tokens) sits on the
   // first CTAs, so their rows move in parallel with it
@@ -659,7 +659,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, k = L.k;
   int* s_cnt = smem;              // [nreg] tokens of each region (0: none or bucket differs)
   int* s_ready = s_cnt + nreg;    // [nreg] early counts: region's payload seen complete
@@ -822,7 +822,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // instead of two dependent global loads in front of every remote store
   __shared__ char* s_fb[kMaxFfn];
   for (int i = tid; !kRecvOnly && i < L.F; i += blockDim.x)
-    s_fb[i] = peer_base(L, L.rank_of_ffn[i]);
+    s_fb[i] = ffn_window(L, i);
   const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   // the small forms run only with the four directional controls on (dispatch_form and
@@ -830,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   const bool all_peers = !kSmall && (!(fl & F_ROLE_WARPS) || !(fl & F_ONE_WAY_COUNTS));
   const bool count_first = !kSmall && !(fl & F_ONE_WAY_COUNTS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
-  char* mine = peer_base(L, L.rank);
+  char* mine = own_window(L);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
   if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send &&

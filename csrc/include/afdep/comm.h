@@ -114,6 +114,7 @@ class Comm {
   bool opened_ = false, closed_ = false;
   bool reply_due_ = false;  // FFN: a receive was launched and its reply not yet
   int ffn_rank0_ = -1;  // group rank of the first FFN rank (the union layout's view source)
+  std::vector<int> is_ffn_;  // role of every group rank (F_PARAM_BASES: role indices)
 };
 
 }  // namespace afdep

@@ -35,7 +35,10 @@ namespace afdep {
                                fence and no flag in front of them */                          \
   X(SMALL_KERNELS, 15)      /* launches on a small-T path (flagged units; the expert layout's \
                                count blocks) run kernels compiled for that path and one role  \
-                               alone (compact code) */
+                               alone (compact code) */ \
+  X(PARAM_BASES, 16)        /* the window bases of this rank and of the first kParamBases     \
+                               ranks of each role ride in the kernels' parameters (else two   \
+                               dependent global loads: rank table, then peer table) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
@@ -50,6 +53,8 @@ constexpr uint32_t kAllRoleAware = 0
     ;
 constexpr int kMaxAttn = 1024;  // Attention ranks per group (combine kernel's shared table)
 constexpr int kMaxFfn = 64;     // FFN ranks per group (the route is a 64-bit mask)
+// F_PARAM_BASES: window bases of this many FFN and Attention indices in the parameter block
+constexpr int kParamBases = 8;
 // Early counts cost a second fence and flag on both sides; a sender CTA publishes its counts
 // ahead of its payload only when that payload is at least this large (at 8 KB rows: 4 tokens),
 // i.e. when crossing NVLink takes longer than the receiver's offset computation.
@@ -213,6 +218,10 @@ struct Layout {
   ErrorBlock* err;             // device view of the host-mapped error block
   uint64_t* trace;             // [kTraceRing][2][kTracePts] stage stamps, or null (no trace)
   int debug;                   // AFDEP_DEBUG bits (diagnostics): see kDbg* below
+  // F_PARAM_BASES (filled when the peers are opened; 0: not here, read the tables above)
+  uint64_t own_base;                // this rank's window
+  uint64_t ffn_base[kParamBases];   // window of FFN index f < kParamBases
+  uint64_t attn_base[kParamBases];  // window of Attention index a < kParamBases
 };
 
 inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
