@@ -313,6 +313,7 @@ void Comm::reply_tokens(int bucket, uint64_t rows, uint64_t src_token, uint64_t 
   a.real_send = 1;
   a.tokens = 1;
   a.rps = L_.S * ((bucket + L_.S - 1) / L_.S);
+  a.div_rps = make_fast_div((uint32_t)a.rps);
   a.rows = reinterpret_cast<const void*>(rows);
   a.src_token = reinterpret_cast<const int*>(src_token);
   a.num_tokens = reinterpret_cast<const int*>(num_tokens);

@@ -149,14 +149,14 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
 // row's token index (the row is the caller's, always readable), then stores it only if the
 // row holds a token, so the store waits for one load latency instead of two. llf != 0
 // (F_LL_SMALL): the chunk goes into the token's row units at its source, flagged llf.
-__device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int nch, int cv,
+__device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, int lg, int cv,
                                        int gw, int nw, int lane, int src_idx, uint32_t llf) {
   constexpr int U = 4;  // vectors per lane loaded up front (a chunk of 128 vectors)
-  const int nv = L.H / 8;
+  const int nv = L.H / 8, nch = 1 << lg;
   const int nrows = L.A * a.rps;
   const int4* rows = static_cast<const int4*>(a.rows);
   for (int u = gw; u < nrows * nch; u += nw) {
-    const int h = u % nch, row = u / nch;
+    const int h = u & (nch - 1), row = u >> lg;
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     const int4* src = rows + (size_t)row * nv;
     const int tok = a.src_token[row];
@@ -175,7 +175,7 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
-    char* base = attn_window(L, row / a.rps);
+    char* base = attn_window(L, fast_div(row, a.div_rps));
     if (llf) {
       uint64_t* dst = llc_row(L, base, L.my_index, tok);
 #pragma unroll
@@ -266,12 +266,6 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
   return true;
 }
 
-// Chunks per row when every one of `units` rows (or slots) gets its own warps: about one
-// unit per warp, a chunk at least one 16-byte vector per lane.
-__device__ __forceinline__ int chunks_per_unit(int units, int warps, int nv) {
-  return max(1, min(max(nv / 32, 1), warps / max(units, 1)));
-}
-
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
 // FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
 __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
@@ -355,26 +349,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     const int units = a.tokens ? L.A * a.rps : L.A * a.bucket;
     if (kSmall || (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw)) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
-      const int nch = chunks_per_unit(units, nw, nv);
-      const int cv = (nv + nch - 1) / nch;
+      // every row (or slot) gets its own warps: about one unit per warp (chunk_log2)
+      const int lg = chunk_log2(units, nw, nv), nch = 1 << lg;
+      const int cv = (nv + nch - 1) >> lg;
       // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
-      // F_LL_SMALL: the start units first (every Attention rank, mismatch or not), then the
-      // rows as units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
+      // F_LL_SMALL: the start units (every Attention rank, mismatch or not) and the rows as
+      // units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
       const uint32_t llf = kUnits ? ll_flag(n)
                            : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
                                                                                  : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
-      for (int ai = tid; llf && c == 0 && ai < L.A; ai += blockDim.x) {
+      // by the grid's last CTA, whose warps hold no row (at most: units * nch <= nw): on CTA 0
+      // the mismatch load and the stores sat in front of the first row's first chunk
+      for (int ai = tid; llf && c == (int)gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
       if (kUnits || (!kSmall && a.tokens)) {
-        reply_token_rows_early(L, a, nch, cv, gw, nw, lane, src_idx, llf);
+        reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {
-          const int h = u % nch, q = u / nch;
+          const int h = u & (nch - 1), q = u >> lg;
           const int ai = q / a.bucket, v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
             reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,

@@ -196,6 +196,21 @@ __device__ __forceinline__ int upper_index(const int* v, int m, int q) {
 
 // Chunks per row so that `items` rows keep about two units per warp of the grid busy; a chunk
 // is at least one 16-byte vector per lane.
+// n / f.d for 0 <= n < 2^31 (FastDiv, layout.h): three instructions
+__device__ __forceinline__ int fast_div(int n, const FastDiv& f) {
+  return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
+}
+
+// Chunks per row for the small-T paths, whose rows get their own warps in one pass of the
+// grid: a power of two (so that unit u splits into chunk u & (nch - 1) and row u >> lg by a
+// mask and a shift), at most one chunk per lane-vector and about warps / units; the quotient
+// comes from the float unit (any nch >= 1 is correct, it only sizes the work). Returns lg.
+__device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
+  const int most = max(nv / 32, 1);
+  const int fit = units > 0 ? (int)__fdividef((float)warps, (float)units) : most;
+  return 31 - __clz(max(1, min(most, fit)));
+}
+
 __device__ __forceinline__ int chunks_per_row(int items, int warps, int nv) {
   if (items <= 0 || items >= 2 * warps) return 1;
   const int most = max(nv / 32, 1);

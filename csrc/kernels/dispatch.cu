@@ -70,9 +70,12 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   }
   bool valid = lane < L.k && e >= 0 && e < L.E;
   if (!count_only && lane < L.k && (e < -1 || e >= L.E)) report_route(L.err, e, 0);
-  const unsigned same = __match_any_sync(kFull, valid ? e : -2 - (long long)lane);
+  // a valid id is in [0, E), so 32 bits hold it: no 64-bit match, and no 64-bit division (a
+  // 70-instruction subroutine, which sat in front of every claim)
+  const int e32 = valid ? (int)e : -2 - lane;  // invalid lanes: distinct negative values
+  const unsigned same = __match_any_sync(kFull, e32);
   valid = valid && (same & lanemask_lt()) == 0;
-  const int f = valid ? (int)(e / L.El) : -1;
+  const int f = valid ? fast_div(e32, L.div_El) : -1;
   const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
   const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
   uint64_t mask = (uint64_t)lo | ((uint64_t)hi << 32);
@@ -94,7 +97,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
     slot = __shfl_sync(kFull, slot, 0);
     const bool mine = valid && f == fd && r < L.R;
     int pos = 0;
-    if (mine && !lean_counts(L)) pos = atomicAdd(&s_ecnt[e], 1);  // lean: nobody reads them
+    if (mine && !lean_counts(L)) pos = atomicAdd(&s_ecnt[e32], 1);  // lean: nobody reads them
     if (count_only) continue;
     if (slot >= a.stride) {  // cannot happen with T <= bucket <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
@@ -104,7 +107,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
     char* base = fb[fd];
     // the token layout keeps the source's columns: the entry's column instead of its
     // position within the expert
-    const int el = (int)(e - (long long)fd * L.El), col = L.tokens ? lane : pos;
+    const int el = e32 - fd * L.El, col = L.tokens ? lane : pos;
     if (llf) {
       uint64_t* u = ll_token(L, ll_region(L, base, src_idx, c), slot);
       if (lane == 0) {
@@ -155,7 +158,7 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   p.w = 0.f;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int chunk = (a.T + L.S - 1) / L.S;
+  const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
   const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
   const int ntok = hi - lo, nv = L.row_bytes / 16;
   if (ntok <= 0) return;
@@ -188,7 +191,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
   for (int j = 0; j < kPreVecs; ++j) {
     const int v = tid + j * kThreads;
     if (v >= ntok * nv) continue;
-    const int i = v / nv, col = v % nv;
+    const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = s_slot[i * L.F + fd];
@@ -556,7 +559,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
 // (reported).
 __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, uint64_t deadline,
                               int* s_form) {
-  const int nreg = L.A * L.S, ai = g / L.S, ch = g % L.S, sr = L.rank_of_attn[ai];
+  const int nreg = L.A * L.S, ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+  const int sr = L.rank_of_attn[ai];
   const uint32_t llf = ll_flag(n);
   const uint64_t* u = ll_region(L, mine, ai, ch);
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
@@ -591,13 +595,13 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
   // first CTAs, so their rows move in parallel with it
   const int rows = stride * nreg, nw = gridDim.x * kWarps;
   const int gw = nw - 1 - (int)(blockIdx.x * kWarps + warp);
-  const int nch = max(1, min(max(nv / 32, 1), nw / max(rows, 1)));
-  const int cv = (nv + nch - 1) / nch;
+  const int lg = chunk_log2(rows, nw, nv), nch = 1 << lg;
+  const int cv = (nv + nch - 1) >> lg;
   const uint32_t llf = ll_flag(n);
-  for (int u = gw; u < rows * nch; u += nw) {
-    const int h = u % nch, q = u / nch, j = q / nreg, g = q % nreg;
+  for (int u = gw; u < rows * nch; u += nw) {  // no divisions: this runs right after a barrier
+    const int h = u & (nch - 1), q = u >> lg, j = fast_div(q, L.div_nreg), g = q - j * nreg;
     if (!s_form[g] || j >= s_cnt[g]) continue;  // s_cnt: 0 where the bucket differs
-    const int ai = g / L.S, ch = g % L.S, sr = L.rank_of_attn[ai];
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, sr = L.rank_of_attn[ai];
     const size_t row = (size_t)ai * rps + (size_t)ch * stride + j;  // == its inbox slot
     const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j) + L.meta_ints;
     int4* dst = reinterpret_cast<int4*>(mine + L.off_payload + row * L.row_bytes);
@@ -625,14 +629,15 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
 // for the reply and reports it once per source.
 __device__ void book_region(const Layout& L, const DispatchArgs& a, int g, char* mine, int* smem) {
   const int nreg = L.A * L.S, stride = a.stride;
-  const int sr = L.rank_of_attn[g / L.S];  // only the count form and the reports use it
+  const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+  const int sr = L.rank_of_attn[ai];  // only the count form and the reports use it
   int *s_cnt = smem, *s_ready = s_cnt + nreg, *s_ahead = s_ready + nreg;
   const int* s_form = s_ahead + nreg;
   const bool units = L.ll && s_form[g];
-  const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, g % L.S);
+  const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, ch);
   const int word = units ? s_form[2 * nreg + g]
                          : ld_cg_i32(reinterpret_cast<const int*>(
-                               cnt_block(L, mine, sr, g % L.S) + 12));
+                               cnt_block(L, mine, sr, ch) + 12));
   const int sb = (int)((unsigned)word >> kAheadBits);
   const bool differs = sb != 0 && sb != a.bucket;
   // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
@@ -640,8 +645,8 @@ __device__ void book_region(const Layout& L, const DispatchArgs& a, int g, char*
   s_cnt[g] = differs ? 0 : min(max(count, 0), stride);
   s_ready[g] = 0;
   s_ahead[g] = differs ? -1 : (word & kAheadMask);
-  if (blockIdx.x == 0 && g % L.S == 0) {
-    L.mismatch[g / L.S] = differs ? sb : 0;
+  if (blockIdx.x == 0 && ch == 0) {
+    L.mismatch[ai] = differs ? sb : 0;
     if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
   }
 }
@@ -684,8 +689,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   for (int u = gw; u < stride * nreg; u += nw) {
-    const int j = u / nreg, g = u % nreg;
-    const int ai = g / L.S, ch = g % L.S;
+    const int j = fast_div(u, L.div_nreg), g = u - j * nreg;
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
     const size_t row = (size_t)ai * rps + (size_t)ch * stride + j;  // == its inbox slot
     int* ids = a.out_expert_ids + row * k;
     float* ws = a.out_weights + row * k;
@@ -849,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
     int* s_slot = s_ecnt + L.E;        // [ceil(T/S)][F] claimed slot per (token, FFN) or -1
     const int T = a.real_send ? a.T : 0;
-    const int chunk = (T + L.S - 1) / L.S;
+    const int chunk = fast_div(T + L.S - 1, L.div_S);
     const int lo = min(T, c * chunk), hi = min(T, lo + chunk);
     // the token layout indexes its inbox by Attention index in the union layout too (the
     // FFN's view is [A][S][stride] rows; union dummy senders send no rows)

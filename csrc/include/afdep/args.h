@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "afdep/layout.h"  // FastDiv
+
 namespace afdep {
 
 // ---- what a launch needs besides the static layout ----------------------------------------
@@ -48,6 +50,7 @@ struct CombineArgs {
                               // token src_token[i] of Attention index i / rps (-1: no token)
   int rps;                    // token layout: rows per source, S * ceil(bucket / S)
   const int* src_token;       // token layout: [A*rps]
+  FastDiv div_rps;            // token layout: by rps (a row's Attention index)
   // Attention side (receiver)
   int do_recv;
   int real_recv;

@@ -161,6 +161,21 @@ struct ReplyStatus {
 };
 static_assert(sizeof(ReplyStatus) == 16, "ReplyStatus is one 16-byte entry per FFN rank");
 
+// n / d for 0 <= n < 2^31 and a divisor d >= 1 known only at run time, without the integer
+// division sequence (about 15 dependent instructions, two through the float unit), which the
+// small-T paths met several times in a row: q = (umulhi(n, m) + n) >> s (fast_div in
+// common.cuh), with s = ceil(log2 d) and m = ceil(2^(32+s) / d) - 2^32, made on the host.
+struct FastDiv {
+  uint32_t d, m, s;
+};
+
+inline FastDiv make_fast_div(uint32_t d) {
+  uint32_t s = 0;
+  while (s < 31 && (1u << s) < d) ++s;
+  const uint64_t m = ((1ull << (32 + s)) + d - 1) / d - (1ull << 32);
+  return {d, (uint32_t)m, s};
+}
+
 struct Layout {
   // world
   int rank, W, A, F, S;
@@ -182,6 +197,8 @@ struct Layout {
   int meta_ints;  // ints per dispatch slot's metadata (token, nloc, experts[R], weights[R], pos[R])
   int nsrc_d;     // dispatch inbox sources (A role-aware, W union)
   int nsrc_c;     // combine inbox sources (F role-aware, W union)
+  FastDiv div_S, div_nreg;  // by S, and by A * S (the dispatch inbox's regions)
+  FastDiv div_El, div_nv;   // by E_local (an expert's FFN index), by row_bytes / 16
   uint32_t flags;
   uint64_t timeout_ns;
   // window offsets (identical on every rank)
@@ -230,6 +247,10 @@ inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 inline void compute_offsets(Layout& L) {
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   L.slots = (L.C + L.S - 1) / L.S;
+  L.div_S = make_fast_div((uint32_t)L.S);
+  L.div_nreg = make_fast_div((uint32_t)(L.A * L.S));
+  L.div_El = make_fast_div((uint32_t)(L.El > 0 ? L.El : 1));
+  L.div_nv = make_fast_div((uint32_t)(L.row_bytes >= 16 ? L.row_bytes / 16 : 1));
   L.meta_ints = (int)round_up(2 + 3 * L.R, 4);
   L.nsrc_d = role ? L.A : L.W;
   L.nsrc_c = role ? L.F : L.W;
