@@ -169,12 +169,29 @@ struct FastDiv {
   uint32_t d, m, s;
 };
 
-inline FastDiv make_fast_div(uint32_t d) {
+constexpr FastDiv make_fast_div(uint32_t d) {
   uint32_t s = 0;
   while (s < 31 && (1u << s) < d) ++s;
   const uint64_t m = ((1ull << (32 + s)) + d - 1) / d - (1ull << 32);
   return {d, (uint32_t)m, s};
 }
+
+// the device's fast_div, on the host (the checks below; the bound: q exact for n < 2^31)
+constexpr uint32_t fast_div_ref(uint32_t n, FastDiv f) {
+  return (uint32_t)((((uint64_t)n * f.m >> 32) + n) >> f.s);
+}
+constexpr bool fast_div_ok(uint32_t d) {
+  const uint32_t ns[] = {0u, 1u, d - 1, d, d + 1, 2 * d - 1, 1000003u, 0x7fffffffu - d,
+                         0x7ffffffeu, 0x7fffffffu};
+  for (uint32_t n : ns)
+    if (n < 0x80000000u && fast_div_ref(n, make_fast_div(d)) != n / d) return false;
+  return true;
+}
+static_assert(fast_div_ok(1) && fast_div_ok(2) && fast_div_ok(3) && fast_div_ok(7) &&
+                  fast_div_ok(24) && fast_div_ok(127) && fast_div_ok(129) &&
+                  fast_div_ok(1000) && fast_div_ok(65535) && fast_div_ok(65537) &&
+                  fast_div_ok(0x40000001u) && fast_div_ok(0x7fffffffu) && fast_div_ok(5),
+              "FastDiv: q = (umulhi(n, m) + n) >> s must equal n / d");
 
 struct Layout {
   // world
