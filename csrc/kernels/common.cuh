@@ -194,8 +194,6 @@ __device__ __forceinline__ int upper_index(const int* v, int m, int q) {
   return lo;
 }
 
-// Chunks per row so that `items` rows keep about two units per warp of the grid busy; a chunk
-// is at least one 16-byte vector per lane.
 // n / f.d for 0 <= n < 2^31 (FastDiv, layout.h): three instructions
 __device__ __forceinline__ int fast_div(int n, const FastDiv& f) {
   return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
@@ -211,6 +209,8 @@ __device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
   return 31 - __clz(max(1, min(most, fit)));
 }
 
+// Chunks per row so that `items` rows keep about two units per warp of the grid busy; a chunk
+// is at least one 16-byte vector per lane.
 __device__ __forceinline__ int chunks_per_row(int items, int warps, int nv) {
   if (items <= 0 || items >= 2 * warps) return 1;
   const int most = max(nv / 32, 1);

@@ -187,10 +187,10 @@ constexpr bool fast_div_ok(uint32_t d) {
     if (n < 0x80000000u && fast_div_ref(n, make_fast_div(d)) != n / d) return false;
   return true;
 }
-static_assert(fast_div_ok(1) && fast_div_ok(2) && fast_div_ok(3) && fast_div_ok(7) &&
-                  fast_div_ok(24) && fast_div_ok(127) && fast_div_ok(129) &&
+static_assert(fast_div_ok(1) && fast_div_ok(2) && fast_div_ok(3) && fast_div_ok(5) &&
+                  fast_div_ok(7) && fast_div_ok(24) && fast_div_ok(127) && fast_div_ok(129) &&
                   fast_div_ok(1000) && fast_div_ok(65535) && fast_div_ok(65537) &&
-                  fast_div_ok(0x40000001u) && fast_div_ok(0x7fffffffu) && fast_div_ok(5),
+                  fast_div_ok(0x40000001u) && fast_div_ok(0x7fffffffu),
               "FastDiv: q = (umulhi(n, m) + n) >> s must equal n / d");
 
 struct Layout {
