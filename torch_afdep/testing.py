@@ -89,6 +89,10 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
     for k in [k for k in os.environ if k not in env]:
         del os.environ[k]
     os.environ.update(env)
+    # every rank of this world runs on this host: gloo binds the loopback interface rather
+    # than resolving the hostname, whose lookup can stall in sandboxes without working DNS
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # ranks share the caller's stdout and stderr: one write per line, so the lines of ranks
     # printing at once never interleave mid-line (with PYTHONUNBUFFERED a print writes its
     # text and its newline separately)

@@ -212,3 +212,20 @@ def test_world_ranks_see_the_callers_environment_of_the_moment(monkeypatch, meth
     for values, ppid in out:
         assert values == ["late", None, "given"], values
         assert (ppid == os.getpid()) == (method == "spawn"), (method, ppid, os.getpid())
+
+
+def test_world_ranks_bind_gloo_to_loopback_unless_told(monkeypatch):
+    """A spawned world runs on this host, so its ranks' gloo binds the loopback interface when
+    the caller names none (no hostname lookup, which can stall without DNS); a caller's
+    GLOO_SOCKET_IFNAME is kept."""
+    import os
+
+    if not os.path.isdir("/sys/class/net/lo"):
+        pytest.skip("no interface named lo")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    out = spawn_world(fb.environ_body, 2, ["GLOO_SOCKET_IFNAME"])
+    assert [values for values, _ in out] == [["lo"], ["lo"]], out
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # the caller's environment is untouched
+    # the caller's choice wins ("lo," names the same interface in gloo's list syntax)
+    out = spawn_world(fb.environ_body, 2, ["GLOO_SOCKET_IFNAME"], env={"GLOO_SOCKET_IFNAME": "lo,"})
+    assert [values for values, _ in out] == [["lo,"], ["lo,"]], out
