@@ -10,9 +10,10 @@ about 0.2 us off each stage).
 Usage:
     python scripts/sass_spans.py [--so torch_afdep/_cuda*.so] [--cuobjdump PATH] [--sass FILE]
         [--kernel NAME]
-Prints, per kernel: its code bytes, and each %globaltimer read (the trace stamps, the
-deadlines) with its offset and the bytes since the previous one, plus the barriers, fences and
-calls in between. --sass reads a saved `cuobjdump -sass` listing instead of running it.
+Prints, per kernel: its code bytes, its integer divisions by a run-time value (each starts
+with an `I2F.RP` or `I2F.U32.RP`, the reciprocal's seed; the small-T forms should have none,
+docs/protocol.md), and each %globaltimer read (the trace stamps, the deadlines) with its offset
+and the bytes since the previous one, plus the barriers, fences and calls in between. --sass reads a saved `cuobjdump -sass` listing instead of running it.
 
 cuobjdump: --cuobjdump, $CUOBJDUMP, PATH, or /usr/local/cuda/bin. A machine with nvcc but no
 cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
@@ -37,6 +38,8 @@ _FUNC = re.compile(r"^\s*Function : (\S+)")
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 #: instructions worth seeing between two stamps (the rest is counted)
 _NOTABLE = ("BAR.", "MEMBAR", "CALL", "ATOMS", "ATOMG", "MATCH", "REDUX", "ACQBULK")
+#: the first instruction of the compiler's integer division by a run-time divisor
+_DIVISION = re.compile(r"^(@!?U?P\w+\s+)?I2F(\.U32)?\.RP\b")
 
 
 def parse_sass(text: str) -> Dict[str, List[Tuple[int, str]]]:
@@ -65,9 +68,10 @@ def short_name(mangled: str) -> str:
 
 
 def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
-    """Code bytes, and each %globaltimer read with the bytes and notable instructions since the
-    previous one (the first: since the kernel's start)."""
+    """Code bytes, integer divisions, and each %globaltimer read with the bytes and notable
+    instructions since the previous one (the first: since the kernel's start)."""
     size = insns[-1][0] + 16 if insns else 0
+    divisions = sum(1 for _, ins in insns if _DIVISION.match(ins))
     stamps = []
     prev, notable, count = 0, [], 0
     for off, ins in insns:
@@ -81,7 +85,7 @@ def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]  # predicate
         if op.startswith(_NOTABLE):
             notable.append(op)
-    return {"bytes": size, "stamps": stamps}
+    return {"bytes": size, "divisions": divisions, "stamps": stamps}
 
 
 def _cuobjdump(explicit: Optional[str]) -> str:
@@ -122,7 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.kernel and args.kernel not in short:
             continue
         s = spans(insns)
-        print(f"{short}: {s['bytes']:,} bytes of code, {len(s['stamps'])} %globaltimer reads")
+        print(f"{short}: {s['bytes']:,} bytes of code, {s['divisions']} integer divisions, "
+              f"{len(s['stamps'])} %globaltimer reads")
         for st in s["stamps"]:
             print(f"  at {st['offset']:#07x}: +{st['bytes']:>7,} B ({st['instructions']:>5} "
                   f"instructions) {_summary(st['notable'])}")

@@ -268,6 +268,7 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.token_index = reinterpret_cast<const int*>(token_index);
   a.num_tokens = reinterpret_cast<const int*>(num_tokens);
   a.bucket = bucket;
+  a.div_bucket = make_fast_div((uint32_t)bucket);
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
   check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
@@ -350,6 +351,7 @@ void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, ui
   a.do_send = (L_.flags & F_ROLE_WARPS) ? 0 : 1;  // symmetric: a dummy reply sender too
   a.real_send = 0;
   a.bucket = 1;
+  a.div_bucket = make_fast_div(1);
   a.do_recv = 1;
   a.real_recv = 1;
   a.route = reinterpret_cast<const int64_t*>(route);

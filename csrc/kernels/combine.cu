@@ -91,22 +91,22 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
 
 // FFN, token layout: row i of rows [A*rps, H] is already the token's reply (the caller
 // summed its experts); copy it as is into its source's inbox at the token's index. Rows are
-// split into nch chunks of cv vectors (nch sized by the tokens received, not by the rows:
-// most rows may be empty); src_token[i] < 0 marks an empty row.
-__device__ void reply_token_rows(const Layout& L, const CombineArgs& a, char* const* ab, int nch,
+// split into 2^lg chunks of cv vectors (sized by the tokens received, not by the rows: most
+// rows may be empty); src_token[i] < 0 marks an empty row.
+__device__ void reply_token_rows(const Layout& L, const CombineArgs& a, char* const* ab, int lg,
                                  int cv, int gw, int nw, int lane, int src_idx) {
   const int nv = L.H / 8;
   const int nrows = L.A * a.rps;
   const int4* rows = static_cast<const int4*>(a.rows);
-  for (int u = gw; u < nrows * nch; u += nw) {
-    const int h = u % nch, row = u / nch;
+  for (int u = gw; u < (nrows << lg); u += nw) {
+    const int h = u & ((1 << lg) - 1), row = u >> lg;
     const int tok = a.src_token[row];
     if (tok < 0) continue;
     if (tok >= L.C) {  // not a receipt's row: never write outside the inbox
       if (lane == 0 && h == 0) report_route(L.err, tok, kRouteOverflow);
       continue;
     }
-    const int ai = row / a.rps;
+    const int ai = fast_div(row, a.div_rps);
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
     if (v1 > v0) warp_copy16<false>(dst + v0, rows + (size_t)row * nv + v0, v1 - v0, lane);
@@ -372,10 +372,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         __syncthreads();
         for (int u = gw; u < units * nch; u += nw) {
           const int h = u & (nch - 1), q = u >> lg;
-          const int ai = q / a.bucket, v0 = h * cv, v1 = min(nv, v0 + cv);
+          const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
             reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
-                        q % a.bucket);
+                        q - ai * a.bucket);
         }
       }
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
@@ -391,13 +391,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (warp == 0) warp_exclusive_scan(s_tb, L.A, lane);
       __syncthreads();
       const int items = s_tb[L.A];
-      const int nch = chunks_per_row(items, nw, nv);
-      const int cv = (nv + nch - 1) / nch;
+      const int lg = chunks_log2(items, nw, nv);
+      const int cv = (nv + (1 << lg) - 1) >> lg;
       if (a.tokens) {
-        reply_token_rows(L, a, s_ab, nch, cv, gw, nw, lane, src_idx);
+        reply_token_rows(L, a, s_ab, lg, cv, gw, nw, lane, src_idx);
       } else {
-        for (int u = gw; u < items * nch; u += nw) {
-          const int h = u % nch, q = u / nch;
+        for (int u = gw; u < (items << lg); u += nw) {
+          const int h = u & ((1 << lg) - 1), q = u >> lg;
           const int ai = upper_index(s_tb, L.A, q);
           const size_t item = (size_t)ai * a.bucket + (q - s_tb[ai]);
           const int v0 = h * cv, v1 = min(nv, v0 + cv);
@@ -456,9 +456,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   if (!kSendOnly && a.do_recv) {
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
-    const int cnch = chunks_per_row(a.T, nw, nv);
-    const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < a.T * cnch;
-    const uint64_t route0 = pre_route ? (uint64_t)a.route[gw / cnch] : 0;
+    // the chunking too, so that nothing after the wait divides
+    const int clg = chunks_log2(a.T, nw, nv);
+    const int ccv = (nv + (1 << clg) - 1) >> clg;
+    const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < (a.T << clg);
+    const uint64_t route0 = pre_route ? (uint64_t)a.route[gw >> clg] : 0;
     // F_LL_SMALL (token layout, T <= kLLTokens * S): the replies' start units, or the count
     // form where an FFN rank sent that (see wait_reply_ll); the fence only for the latter
     const bool ll =
@@ -535,13 +537,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         umask |= (uint64_t)__ballot_sync(kFull, units) << f0;
         if (b && c == 0 && warp == 0) report_route(L.err, fb, kRouteBucket, L.rank_of_ffn[f], sb);
       }
-      const int nch = cnch;
-      const int cv = (nv + nch - 1) / nch;
       bool ok = true;
       const uint32_t llf = ll_flag(n);
-      for (int u = gw; u < a.T * nch && ok; u += nw) {
-        const int h = u % nch, t = u / nch;
-        const int v0 = h * cv, v1 = min(nv, v0 + cv);
+      for (int u = gw; u < (a.T << clg) && ok; u += nw) {
+        const int h = u & ((1 << clg) - 1), t = u >> clg;
+        const int v0 = h * ccv, v1 = min(nv, v0 + ccv);
         const uint64_t route = pre_route && u == gw ? route0 : (uint64_t)a.route[t];
         if (v1 <= v0) continue;
         if (ll) ok = collect_chunk_ll(L, a, t, v0, v1, lane, bad, route, umask, llf, deadline);

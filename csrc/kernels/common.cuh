@@ -209,12 +209,17 @@ __device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
   return 31 - __clz(max(1, min(most, fit)));
 }
 
-// Chunks per row so that `items` rows keep about two units per warp of the grid busy; a chunk
-// is at least one 16-byte vector per lane.
-__device__ __forceinline__ int chunks_per_row(int items, int warps, int nv) {
-  if (items <= 0 || items >= 2 * warps) return 1;
-  const int most = max(nv / 32, 1);
-  return min(most, (2 * warps + items - 1) / items);
+// Chunks per row so that `items` rows keep about two units per warp of the grid busy: the
+// quotient rounded up to a power of two (unit u is chunk u & (nch - 1) of row u >> lg, with
+// no division after a wait), at most the largest power of two with a 16-byte vector per lane
+// in each chunk. The quotient comes from the float unit (any nch >= 1 is correct, it only
+// sizes the work). Returns lg.
+__device__ __forceinline__ int chunks_log2(int items, int warps, int nv) {
+  if (items <= 0 || items >= 2 * warps) return 0;
+  const int want = (int)ceilf(__fdividef(2.f * (float)warps, (float)items));
+  const int up = 32 - __clz(max(want, 1) - 1);   // ceil(log2(want))
+  const int most = 31 - __clz(max(nv / 32, 1));  // floor(log2(vectors / 32))
+  return min(up, most);
 }
 
 // ---- error reporting into host-mapped memory ---------------------------------------------

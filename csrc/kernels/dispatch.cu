@@ -206,7 +206,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
     }
   }
   if (L.scale_cols && tid < ntok * L.scale_cols) {
-    const int i = tid / L.scale_cols, q = tid % L.scale_cols;
+    const int i = fast_div(tid, L.div_sc), q = tid - i * L.scale_cols;
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = s_slot[i * L.F + fd];
       if (slot < 0) continue;
@@ -289,11 +289,11 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, char* const*
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
   const int pairs = ntok * L.F;
-  const int nch = chunks_per_row(pairs, kWarps / 2, nv);
-  const int cv = (nv + nch - 1) / nch;
-  for (int u = warp; u < pairs * nch; u += kWarps) {
-    const int pi = u / nch, h = u % nch;
-    const int i = pi / L.F, fd = pi % L.F;
+  const int lg = chunks_log2(pairs, kWarps / 2, nv);
+  const int cv = (nv + (1 << lg) - 1) >> lg;
+  for (int u = warp; u < (pairs << lg); u += kWarps) {
+    const int pi = u >> lg, h = u & ((1 << lg) - 1);
+    const int i = fast_div(pi, L.div_F), fd = pi - i * L.F;
     const int slot = s_slot[i * L.F + fd];
     if (slot < 0) continue;
     copy_row(L, a, fb, lo + i, fd, slot, src_idx, c, h * cv, min(nv, h * cv + cv), lane);
@@ -308,7 +308,7 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, char* 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
   for (int u = warp; u < ntok * L.F; u += kWarps) {
-    const int i = u / L.F, fd = u % L.F;
+    const int i = fast_div(u, L.div_F), fd = u - i * L.F;
     const int slot = s_slot[i * L.F + fd];
     if (slot < 0) continue;
     copy_row(L, a, fb, lo + i, fd, slot, src_idx, c, 0, nv, lane);
@@ -331,7 +331,7 @@ __device__ void publish_counts(const Layout& L, char* const* fb, uint64_t n, boo
   const int ntg = all_peers ? L.W : L.F;
   const int per = lean_counts(L) ? 1 : L.El + 1;  // lean: the header only
   for (int i = threadIdx.x; i < ntg * per; i += blockDim.x) {
-    const int ti = i / per, e = i % per;
+    const int ti = per == 1 ? i : fast_div(i, L.div_El1), e = i - ti * per;
     int d, f;
     if (all_peers) {
       d = ti;
@@ -385,16 +385,18 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
     const int q4 = El / 4;
     for (int i = tid; i < nreg * q4; i += blockDim.x) {
-      const int g = i / q4, e4 = i % q4;
+      const int g = fast_div(i, L.div_El4), e4 = i - g * q4;
+      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
       const int4 v = ld_cg_v4(reinterpret_cast<const int4*>(
-          cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e4);
+          cnt_block(L, mine, L.rank_of_attn[ai], ch) + 16) + e4);
       reinterpret_cast<int4*>(s_tab + (size_t)g * El)[e4] = v;
     }
   } else {
     for (int i = tid; i < nreg * El; i += blockDim.x) {
-      const int g = i / El, e = i % El;
+      const int g = fast_div(i, L.div_El), e = i - g * El;
+      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
       s_tab[i] = ld_cg_i32(reinterpret_cast<const int*>(
-          cnt_block(L, mine, L.rank_of_attn[g / L.S], g % L.S) + 16) + e);
+          cnt_block(L, mine, L.rank_of_attn[ai], ch) + 16) + e);
     }
   }
   // Bucket check (one int per sender CTA): a region whose sender declared another bucket
@@ -402,23 +404,24 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   // source for the reply (L.mismatch) and reports it once per source (kRouteBucket).
   int bad = 0;
   for (int g = tid; g < nreg; g += blockDim.x) {
-    const int sr = L.rank_of_attn[g / L.S];
-    const int count = blk_count(L, mine, sr, g % L.S);
-    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, g % L.S) + 12));
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+    const int sr = L.rank_of_attn[ai];
+    const int count = blk_count(L, mine, sr, ch);
+    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, ch) + 12));
     const int sb = (int)((unsigned)word >> kAheadBits);
     const bool differs = sb != 0 && sb != a.bucket;
     s_rb[g] = differs ? 0 : min(max(count, 0), L.slots);
     s_ready[g] = 0;
     s_ahead[g] = differs ? -1 : (word & kAheadMask);
     bad |= differs ? 1 : 0;
-    if (c == 0 && g % L.S == 0) {
-      L.mismatch[g / L.S] = differs ? sb : 0;
+    if (c == 0 && ch == 0) {
+      L.mismatch[ai] = differs ? sb : 0;
       if (differs) report_route(L.err, sb, kRouteBucket, sr, a.bucket);
     }
   }
   if (__syncthreads_or(bad)) {  // only on a mismatch: drop the differing regions' counts
     for (int i = tid; i < nreg * El; i += blockDim.x)
-      if (s_ahead[i / El] < 0) s_tab[i] = 0;
+      if (s_ahead[fast_div(i, L.div_El)] < 0) s_tab[i] = 0;
     __syncthreads();
   }
   trace_mark(L, kTrTable, -1);
@@ -457,27 +460,27 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   const int ntok = s_rb[nreg];
   const int items = ntok * L.R;
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
-  const int nch = chunks_per_row(items, nw, nv);
-  const int cv = (nv + nch - 1) / nch;
+  const int lg = chunks_log2(items, nw, nv);
+  const int cv = (nv + (1 << lg) - 1) >> lg;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   // With row flags, visit (slot, region) slot-major, the order in which rows land (every
   // channel sends its slots in turn); otherwise region-major, without gaps.
   const bool slot_major = !kSmall && L.stream && *s_maxj >= 0;
   const int units = slot_major ? *s_maxj * nreg * L.R : items;
-  for (int u = gw; u < units * nch; u += nw) {
-    const int h = u % nch, it = u / nch;
-    const int r = it % L.R;
+  for (int u = gw; u < (units << lg); u += nw) {
+    const int h = u & ((1 << lg) - 1), it = u >> lg;
+    const int qr = fast_div(it, L.div_R), r = it - qr * L.R;
     int q, g;
     if (slot_major) {
-      const int gj = it / L.R;
-      g = gj % nreg;
-      q = s_rb[g] + gj / nreg;
+      const int jr = fast_div(qr, L.div_nreg);
+      g = qr - jr * nreg;
+      q = s_rb[g] + jr;
       if (q >= s_rb[g + 1]) continue;  // region g holds fewer tokens
     } else {
-      q = it / L.R;
+      q = qr;
       g = upper_index(s_rb, nreg, q);
     }
-    const int ai = g / L.S, ch = g % L.S, j = q - s_rb[g];
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, j = q - s_rb[g];
     const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
     if (s >= a.bucket) {
       if (lane == 0 && r == 0 && h == 0) report_route(L.err, s, 2);
@@ -982,8 +985,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       fence = __syncthreads_or(fence);
     } else {
       for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
-        const int sr = all_peers ? i / L.S : L.rank_of_attn[i / L.S];
-        const int ch = i % L.S;
+        const int ai = fast_div(i, L.div_S), ch = i - ai * L.S;
+        const int sr = all_peers ? ai : L.rank_of_attn[ai];
         ok = wait_geq(reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch)), n,
                       deadline, L.err, kPhaseDispatch, sr, L.rank);
         if (ok && count_first && rwo)

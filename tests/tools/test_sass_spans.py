@@ -1,5 +1,6 @@
 """scripts/sass_spans.py on a synthetic `cuobjdump -sass` listing: kernels split by name, code
-bytes, and each %globaltimer read with the bytes and notable instructions since the previous."""
+bytes, integer divisions, and each %globaltimer read with the bytes and notable instructions
+since the previous."""
 
 from tests.helpers.scripts import load_script
 
@@ -15,7 +16,10 @@ LISTING = """
         /*0040*/               @P0 CALL.REL.NOINC 0x100 ;                 /* 0x0000000000007944 */
         /*0050*/                   IADD3 R0, R1, 0x1, RZ ;                /* 0x0000000101007810 */
         /*0060*/              @!P1 CS2R R6, SR_GLOBALTIMERLO ;            /* 0x0000000000069805 */
-        /*0070*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*0070*/                   I2F.RP R8, R2 ;                        /* 0x0000000200087306 */
+        /*0080*/               @P2 I2F.U32.RP R9, R3 ;                    /* 0x0000000300097306 */
+        /*0090*/                   I2FP.F32.S32 R10, R4 ;                 /* 0x00000004000a7245 */
+        /*00a0*/                   EXIT ;                                 /* 0x000000000000794d */
 		Function : _ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm
         /*0000*/                   CS2R R2, SR_GLOBALTIMERLO ;            /* 0x0000000000027805 */
         /*0010*/                   EXIT ;                                 /* 0x000000000000794d */
@@ -31,7 +35,9 @@ def test_kernels_code_bytes_and_stamp_spans():
     kernels = tool.parse_sass(LISTING)
     assert [tool.short_name(k) for k in kernels] == ["dispatch_kernel", "stamp_kernel"]
     d = tool.spans(next(iter(kernels.values())))
-    assert d["bytes"] == 0x80
+    assert d["bytes"] == 0xb0
+    assert d["divisions"] == 2  # I2F.RP and I2F.U32.RP start one each; I2FP is a conversion
+    assert tool.spans(list(kernels.values())[1])["divisions"] == 0
     assert [(s["offset"], s["bytes"], s["instructions"]) for s in d["stamps"]] == [
         (0x20, 0x20, 2), (0x60, 0x40, 3)]
     assert d["stamps"][0]["notable"] == ["ACQBULK"]
@@ -43,7 +49,8 @@ def test_main_reads_a_saved_listing(tmp_path, capsys):
     f.write_text(LISTING)
     assert _tool().main(["--sass", str(f), "--kernel", "dispatch"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == "dispatch_kernel: 128 bytes of code, 2 %globaltimer reads"
+    assert out.splitlines()[0] == ("dispatch_kernel: 176 bytes of code, 2 integer divisions, "
+                                   "2 %globaltimer reads")
     assert "stamp_kernel" not in out
     assert "+     64 B (    3 instructions) BAR.SYNC.DEFER_BLOCKING, CALL.REL.NOINC" in out
 

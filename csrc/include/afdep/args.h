@@ -46,6 +46,7 @@ struct CombineArgs {
   const int* token_index;     // [A, bucket]
   const int* num_tokens;      // [A]
   int bucket;
+  FastDiv div_bucket;         // expert layout: by bucket (a receipt slot's Attention index)
   int tokens;                 // token layout: row i of rows [A*rps, H] is the reply of the
                               // token src_token[i] of Attention index i / rps (-1: no token)
   int rps;                    // token layout: rows per source, S * ceil(bucket / S)

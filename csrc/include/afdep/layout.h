@@ -216,6 +216,9 @@ struct Layout {
   int nsrc_c;     // combine inbox sources (F role-aware, W union)
   FastDiv div_S, div_nreg;  // by S, and by A * S (the dispatch inbox's regions)
   FastDiv div_El, div_nv;   // by E_local (an expert's FFN index), by row_bytes / 16
+  FastDiv div_El4, div_R;   // by E_local / 4 (count blocks as 16-byte loads), by R
+  FastDiv div_F, div_sc;    // by F (a (token, FFN) pair's token), by scale_cols (FP8)
+  FastDiv div_El1;          // by E_local + 1 (a count block's words)
   uint32_t flags;
   uint64_t timeout_ns;
   // window offsets (identical on every rank)
@@ -268,6 +271,11 @@ inline void compute_offsets(Layout& L) {
   L.div_nreg = make_fast_div((uint32_t)(L.A * L.S));
   L.div_El = make_fast_div((uint32_t)(L.El > 0 ? L.El : 1));
   L.div_nv = make_fast_div((uint32_t)(L.row_bytes >= 16 ? L.row_bytes / 16 : 1));
+  L.div_El4 = make_fast_div((uint32_t)(L.El >= 4 ? L.El / 4 : 1));
+  L.div_R = make_fast_div((uint32_t)(L.R > 0 ? L.R : 1));
+  L.div_F = make_fast_div((uint32_t)(L.F > 0 ? L.F : 1));
+  L.div_El1 = make_fast_div((uint32_t)(L.El > 0 ? L.El + 1 : 1));
+  L.div_sc = make_fast_div((uint32_t)(L.scale_cols > 0 ? L.scale_cols : 1));
   L.meta_ints = (int)round_up(2 + 3 * L.R, 4);
   L.nsrc_d = role ? L.A : L.W;
   L.nsrc_c = role ? L.F : L.W;
