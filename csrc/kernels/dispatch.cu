@@ -676,6 +676,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   // ahead | bucket words (wait_region_ll)
   const int* s_form = s_ahead + nreg;
   const uint32_t llf = ll_flag(n);
+  __shared__ int s_cid[kWarps][32];    // a row's local id of each column (per warp)
+  __shared__ float s_cw[kWarps][32];   // and its weight
   if (!booked) {
     for (int g = tid; g < nreg; g += blockDim.x)
       book_region(L, a, g, mine, smem);
@@ -756,19 +758,19 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       }
     }
     // lane q becomes column q: the entry whose column is q (at most one: columns are the
-    // first occurrences of distinct ids), else -1 / 0
-    int id = -1;
-    float wq = 0.f;
-#pragma unroll 1  // unrolled: 7 KB of code in the small-T receive path, for at most R steps
-    for (int r = 0; r < nloc; ++r) {
-      const int cr = __shfl_sync(kFull, col, r);
-      const int er = __shfl_sync(kFull, el, r);
-      const float wr = __shfl_sync(kFull, w, r);
-      if (cr == lane) {
-        id = er;
-        wq = wr;
-      }
+    // first occurrences of distinct ids), else -1 / 0. Scattered through shared memory: a
+    // store and a load per lane instead of R rounds of three shuffles.
+    s_cid[warp][lane] = -1;
+    s_cw[warp][lane] = 0.f;
+    __syncwarp();
+    if (col >= 0 && col < k) {
+      s_cid[warp][col] = el;
+      s_cw[warp][col] = w;
     }
+    __syncwarp();
+    const int id = s_cid[warp][lane];
+    const float wq = s_cw[warp][lane];
+    __syncwarp();  // read before the warp's next row writes them
     if (lane < k) {
       ids[lane] = id;
       ws[lane] = wq;
