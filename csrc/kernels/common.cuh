@@ -144,6 +144,15 @@ __device__ __forceinline__ int ld_cg_i32_now(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ int4 ld_cg_v4_now(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 // Copy nv 16-byte vectors with one warp; several loads in flight per lane.
 template <bool kSrcCg>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src,

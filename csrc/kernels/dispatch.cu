@@ -425,9 +425,24 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     __syncthreads();
   }
   trace_mark(L, kTrTable, -1);
+  // each expert's rows in earlier regions: its column of s_tab scanned in place, eight regions'
+  // loads in flight at a time (one at a time, the store before each next load, the scan was
+  // a chain of nreg shared-memory latencies)
+  constexpr int kScanBatch = 8;
   for (int e = tid; e < El; e += blockDim.x) {
-    int run = 0;
-    for (int g = 0; g < nreg; ++g) {
+    int run = 0, g = 0;
+#pragma unroll 1  // one batch of code (unrolled twice, 2 KB more on the small-T path)
+    for (; g + kScanBatch <= nreg; g += kScanBatch) {
+      int v[kScanBatch];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) v[i] = s_tab[(g + i) * El + e];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) {
+        s_tab[(g + i) * El + e] = run;
+        run += v[i];
+      }
+    }
+    for (; g < nreg; ++g) {
       const int v = s_tab[g * El + e];
       s_tab[g * El + e] = run;
       run += v;
@@ -488,6 +503,17 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     }
     const int sr = L.rank_of_attn[ai];
     const size_t gslot = ((size_t)(role ? ai : sr) * L.S + ch) * L.slots + j;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
+    const int* ss = reinterpret_cast<const int*>(mine + L.off_scales) + gslot * L.scale_cols;
+    // F_EARLY_LOADS, count form (its senders never send ahead: the payload is complete): this
+    // lane's first vector of the chunk (and FP8 scale) loads before the metadata that says
+    // where it goes, so the copy pays no load latency of its own
+    const bool pre = kSmall && (L.flags & F_EARLY_LOADS);
+    int4 x0 = make_int4(0, 0, 0, 0);
+    int s0 = 0;
+    if (pre && v0 + lane < v1) x0 = ld_cg_v4_now(src + v0 + lane);
+    if (pre && h == 0 && lane < L.scale_cols) s0 = ld_cg_i32_now(ss + lane);
     const int* meta = reinterpret_cast<const int*>(mine + L.off_meta) + gslot * L.meta_ints;
     const int tok = ld_cg_i32(meta);
     const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
@@ -540,14 +566,18 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
         fenced = g;
       }
     }
-    const int v0 = h * cv, v1 = min(nv, v0 + cv);
-    const int4* src = reinterpret_cast<const int4*>(mine + L.off_payload + gslot * L.row_bytes);
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
-    if (v1 > v0) warp_copy16<true>(dst + v0, src + v0, v1 - v0, lane);
+    if (pre) {
+      if (v0 + lane < v1) dst[v0 + lane] = x0;
+      if (v1 - v0 > 32) warp_copy16<true>(dst + v0 + 32, src + v0 + 32, v1 - v0 - 32, lane);
+    } else if (v1 > v0) {
+      warp_copy16<true>(dst + v0, src + v0, v1 - v0, lane);
+    }
     if (h == 0 && L.scale_cols) {
-      const int* ss = reinterpret_cast<const int*>(mine + L.off_scales) + gslot * L.scale_cols;
       float* ds = a.out_scales + (size_t)row * L.scale_cols;
-      for (int q2 = lane; q2 < L.scale_cols; q2 += 32) ds[q2] = __int_as_float(ld_cg_i32(ss + q2));
+      const int q0 = pre ? lane + 32 : lane;
+      if (pre && lane < L.scale_cols) ds[lane] = __int_as_float(s0);
+      for (int q2 = q0; q2 < L.scale_cols; q2 += 32) ds[q2] = __int_as_float(ld_cg_i32(ss + q2));
     }
   }
 }
