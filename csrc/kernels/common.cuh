@@ -218,12 +218,12 @@ __device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
   return 31 - __clz(max(1, min(most, fit)));
 }
 
-// Chunks per row so that `items` rows keep about two units per warp of the grid busy: the
-// quotient rounded up to a power of two (unit u is chunk u & (nch - 1) of row u >> lg, with
-// no division after a wait), at most the largest power of two with a 16-byte vector per lane
-// in each chunk. The quotient comes from the float unit (any nch >= 1 is correct, it only
-// sizes the work). Returns lg.
-__device__ __forceinline__ int chunks_log2(int items, int warps, int nv) {
+// Chunks per row for the paths sized by what arrived: about two units per warp of the grid
+// (rounded up to a power of two, where chunk_log2 rounds down so that no warp holds two
+// units), at most the largest power of two with a 16-byte vector per lane in each chunk;
+// unit u is chunk u & (nch - 1) of row u >> lg, with no division after a wait. The quotient
+// comes from the float unit (any nch >= 1 is correct, it only sizes the work). Returns lg.
+__device__ __forceinline__ int chunk_log2_up(int items, int warps, int nv) {
   if (items <= 0 || items >= 2 * warps) return 0;
   const int want = (int)ceilf(__fdividef(2.f * (float)warps, (float)items));
   const int up = 32 - __clz(max(want, 1) - 1);   // ceil(log2(want))
