@@ -11,7 +11,9 @@ a hung rank is stuck).
 CPU worlds start from a fork server that has imported torch and torch_afdep once (about 0.1 s
 per world instead of several seconds of imports per rank); GPU worlds start fresh interpreters
 (spawn), as CUDA needs. ``AFDEP_WORLD_START=spawn|forkserver`` overrides the choice. Either
-way a rank sees the parent's environment of the moment of the call, plus ``env``.
+way a rank sees the parent's environment of the moment of the call, plus ``env``; its gloo
+binds the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless that environment names one,
+since every rank runs on this host.
 """
 
 from __future__ import annotations
