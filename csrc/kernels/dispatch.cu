@@ -362,6 +362,36 @@ __device__ __forceinline__ int blk_count(const Layout& L, char* mine, int src_ra
   return ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, src_rank, ch) + 8));
 }
 
+// The expert counts of every region (Attention index, channel) into s_tab [nreg][El], as V
+// (int4: four counts, or int) with `per` V per region and div by per. In batches: a store
+// through the generic s_tab keeps the compiler from issuing a later global load ahead of it,
+// so one load and one store per step paid one load latency per step.
+template <typename V>
+__device__ __forceinline__ void load_count_table(const Layout& L, char* mine, int* s_tab,
+                                                 int nreg, int per, const FastDiv& div) {
+  constexpr int kBatch = 4;
+  const int total = nreg * per;
+#pragma unroll 1
+  for (int i0 = threadIdx.x; i0 < total; i0 += kBatch * blockDim.x) {
+    V v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * blockDim.x;
+      if (i >= total) break;
+      const int g = fast_div(i, div), e = i - g * per;
+      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+      v[b] = __ldcg(reinterpret_cast<const V*>(cnt_block(L, mine, L.rank_of_attn[ai], ch) + 16) +
+                    e);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * blockDim.x;
+      if (i >= total) break;
+      reinterpret_cast<V*>(s_tab)[i] = v[b];  // region g's El ints are its per V
+    }
+  }
+}
+
 // Receiver side: expand every arrived token into the expert-major outputs. Rows are placed
 // without atomics: row = offset of the expert + rows of that expert in earlier regions (source,
 // channel) + the entry's position within its region (from the sender). Work is split into
@@ -382,23 +412,19 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   int* s_ahead = s_ready + nreg;     // [nreg] kAhead*: how the region's payload is flagged;
                                      // -1: the sender's bucket differs (region taken empty)
   int* s_maxj = s_ahead + nreg;      // [1] streamed expansion: most tokens in one region
-  if (El % 4 == 0) {  // count blocks are 16-byte aligned: four counts per load
-    const int q4 = El / 4;
-    for (int i = tid; i < nreg * q4; i += blockDim.x) {
-      const int g = fast_div(i, L.div_El4), e4 = i - g * q4;
-      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
-      const int4 v = ld_cg_v4(reinterpret_cast<const int4*>(
-          cnt_block(L, mine, L.rank_of_attn[ai], ch) + 16) + e4);
-      reinterpret_cast<int4*>(s_tab + (size_t)g * El)[e4] = v;
-    }
-  } else {
-    for (int i = tid; i < nreg * El; i += blockDim.x) {
-      const int g = fast_div(i, L.div_El), e = i - g * El;
-      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
-      s_tab[i] = ld_cg_i32(reinterpret_cast<const int*>(
-          cnt_block(L, mine, L.rank_of_attn[ai], ch) + 16) + e);
-    }
+  // The header of region tid for the bucket check below, loaded with the table (their loads
+  // in flight together: see load_count_table)
+  int h_count = 0, h_word = 0;
+  if (tid < nreg) {
+    const int ai = fast_div(tid, L.div_S), ch = tid - ai * L.S;
+    const int* hdr = reinterpret_cast<const int*>(cnt_block(L, mine, L.rank_of_attn[ai], ch));
+    h_count = ld_cg_i32(hdr + 2);
+    h_word = ld_cg_i32(hdr + 3);
   }
+  if (El % 4 == 0)  // count blocks are 16-byte aligned: four counts per load
+    load_count_table<int4>(L, mine, s_tab, nreg, El / 4, L.div_El4);
+  else
+    load_count_table<int>(L, mine, s_tab, nreg, El, L.div_El);
   // Bucket check (one int per sender CTA): a region whose sender declared another bucket
   // is taken as empty (no rows, no waits, nothing written for it); CTA 0 records it per
   // source for the reply (L.mismatch) and reports it once per source (kRouteBucket).
@@ -406,8 +432,10 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   for (int g = tid; g < nreg; g += blockDim.x) {
     const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
     const int sr = L.rank_of_attn[ai];
-    const int count = blk_count(L, mine, sr, ch);
-    const int word = ld_cg_i32(reinterpret_cast<const int*>(cnt_block(L, mine, sr, ch) + 12));
+    const int count = g == tid ? h_count : blk_count(L, mine, sr, ch);
+    const int word = g == tid ? h_word
+                              : ld_cg_i32(reinterpret_cast<const int*>(
+                                    cnt_block(L, mine, sr, ch) + 12));
     const int sb = (int)((unsigned)word >> kAheadBits);
     const bool differs = sb != 0 && sb != a.bucket;
     s_rb[g] = differs ? 0 : min(max(count, 0), L.slots);
