@@ -13,7 +13,8 @@ Usage:
 Prints, per kernel: its code bytes, its integer divisions by a run-time value (each starts
 with an `I2F.RP` or `I2F.U32.RP`, the reciprocal's seed; the small-T forms should have none,
 docs/protocol.md), and each %globaltimer read (the trace stamps, the deadlines) with its offset
-and the bytes since the previous one, plus the barriers, fences and calls in between. --sass reads a saved `cuobjdump -sass` listing instead of running it.
+and the bytes since the previous one, plus the barriers, fences and calls in between. --sass
+reads a saved `cuobjdump -sass` listing instead of running it.
 
 cuobjdump: --cuobjdump, $CUOBJDUMP, PATH, or /usr/local/cuda/bin. A machine with nvcc but no
 cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:

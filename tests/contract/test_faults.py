@@ -227,5 +227,6 @@ def test_world_ranks_bind_gloo_to_loopback_unless_told(monkeypatch):
     assert [values for values, _ in out] == [["lo"], ["lo"]], out
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # the caller's environment is untouched
     # the caller's choice wins ("lo," names the same interface in gloo's list syntax)
-    out = spawn_world(fb.environ_body, 2, ["GLOO_SOCKET_IFNAME"], env={"GLOO_SOCKET_IFNAME": "lo,"})
+    out = spawn_world(fb.environ_body, 2, ["GLOO_SOCKET_IFNAME"],
+                      env={"GLOO_SOCKET_IFNAME": "lo,"})
     assert [values for values, _ in out] == [["lo,"], ["lo,"]], out
