@@ -268,8 +268,9 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
 
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
 // FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
+// pre (one FFN rank, F_SINGLE_FFN): x0 holds this lane's vector v0 + lane of the row.
 __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int v0, int v1,
-                              int lane, uint64_t bad, uint64_t route) {
+                              int lane, uint64_t bad, uint64_t route, bool pre, int4 x0) {
   const uint64_t mask = route & ~bad;
   const int nv = L.H / 8;
   int4* out = static_cast<int4*>(a.out) + (size_t)t * nv;
@@ -288,7 +289,12 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
     if (mask & 1ull) {
       const int src = role ? 0 : L.rank_of_ffn[0];
       const int4* row = inbox + ((size_t)src * L.C + t) * nv;
-      warp_copy16<true>(out + v0, row + v0, v1 - v0, lane);
+      int s = v0;
+      if (pre) {
+        if (v0 + lane < v1) out[v0 + lane] = x0;
+        s = v0 + 32;
+      }
+      if (v1 > s) warp_copy16<true>(out + s, row + s, v1 - s, lane);
     } else {
       const int4 z = make_int4(0, 0, 0, 0);
       for (int i = v0 + lane; i < v1; i += 32) out[i] = z;
@@ -510,6 +516,18 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
              ld_cg_i32(reinterpret_cast<const int*>(mine + L.off_comb) +
                        (size_t)((L.flags & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0]) * L.C * L.H / 2));
     if (kSmall || a.real_recv) {
+      // F_EARLY_LOADS, one FFN rank (F_SINGLE_FFN), count form, copied out: this lane's first
+      // vector of the warp's first unit loads with the mismatch status below instead of after
+      // it (the row is used only if that FFN rank's bucket matched)
+      const bool pre_row = !ll && pre_route && (route0 & 1ull) && L.F == 1 &&
+                           (fl & F_SINGLE_FFN) && !a.in_place;
+      int4 x0 = make_int4(0, 0, 0, 0);
+      if (pre_row) {
+        const int h = gw & ((1 << clg) - 1), src = (fl & F_ROLE_BUFFERS) ? 0 : L.rank_of_ffn[0];
+        const int4* row = reinterpret_cast<const int4*>(mine + L.off_comb) +
+                          ((size_t)src * L.C + (gw >> clg)) * nv;
+        if (h * ccv + lane < min(nv, h * ccv + ccv)) x0 = ld_cg_v4_now(row + h * ccv + lane);
+      }
       // FFN ranks whose reply of this exchange says the buckets differed (they took nothing
       // from this rank): one load per lane, after the wait and its fence like the rows.
       // F_LL_SMALL: an FFN rank that sent units tells a mismatch in its start units instead.
@@ -545,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         const uint64_t route = pre_route && u == gw ? route0 : (uint64_t)a.route[t];
         if (v1 <= v0) continue;
         if (ll) ok = collect_chunk_ll(L, a, t, v0, v1, lane, bad, route, umask, llf, deadline);
-        else collect_chunk(L, a, t, v0, v1, lane, bad, route);
+        else collect_chunk(L, a, t, v0, v1, lane, bad, route, pre_row && u == gw, x0);
       }
       if (ll && !__syncthreads_and(ok ? 1 : 0)) return;
     }
