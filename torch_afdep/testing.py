@@ -65,6 +65,14 @@ def cuda_probe_body(rank: int, world_size: int) -> float:
     return float(torch.ones(2, device="cuda").sum().item())
 
 
+def use_loopback_gloo() -> None:
+    """Bind this process's gloo groups to the loopback interface unless ``GLOO_SOCKET_IFNAME``
+    names one: for processes whose peers all run on this host. Gloo otherwise resolves the
+    hostname first, a lookup that can stall where DNS does not answer."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
 def _start_method(device_ids) -> str:
     """forkserver for CPU worlds, spawn for GPU worlds (or AFDEP_WORLD_START)."""
     method = _env.get("AFDEP_WORLD_START")
@@ -91,10 +99,7 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
     for k in [k for k in os.environ if k not in env]:
         del os.environ[k]
     os.environ.update(env)
-    # every rank of this world runs on this host: gloo binds the loopback interface rather
-    # than resolving the hostname, whose lookup can stall in sandboxes without working DNS
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    use_loopback_gloo()  # every rank of this world runs on this host
     # ranks share the caller's stdout and stderr: one write per line, so the lines of ranks
     # printing at once never interleave mid-line (with PYTHONUNBUFFERED a print writes its
     # text and its newline separately)
