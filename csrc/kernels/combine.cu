@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (warp == 0) warp_exclusive_scan(s_tb, L.A, lane);
       __syncthreads();
       const int items = s_tb[L.A];
-      const int lg = chunk_log2_up(items, nw, nv);
+      const int lg = chunk_log2_fill(items, nw, nv);
       const int cv = (nv + (1 << lg) - 1) >> lg;
       if (a.tokens) {
         reply_token_rows(L, a, s_ab, lg, cv, gw, nw, lane, src_idx);
@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
     // the chunking too, so that nothing after the wait divides
-    const int clg = chunk_log2_up(a.T, nw, nv);
+    const int clg = chunk_log2_fill(a.T, nw, nv);
     const int ccv = (nv + (1 << clg) - 1) >> clg;
     const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < (a.T << clg);
     const uint64_t route0 = pre_route ? (uint64_t)a.route[gw >> clg] : 0;

@@ -218,17 +218,19 @@ __device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
   return 31 - __clz(max(1, min(most, fit)));
 }
 
-// Chunks per row for the paths sized by what arrived: about two units per warp of the grid
-// (rounded up to a power of two, where chunk_log2 rounds down so that no warp holds two
-// units), at most the largest power of two with a 16-byte vector per lane in each chunk;
-// unit u is chunk u & (nch - 1) of row u >> lg, with no division after a wait. The quotient
-// comes from the float unit (any nch >= 1 is correct, it only sizes the work). Returns lg.
-__device__ __forceinline__ int chunk_log2_up(int items, int warps, int nv) {
+// Chunks per row for the paths sized by what arrived: the power of two at or below
+// ceil(2 * warps / items), so that the grid's warps hold about one or two units each (chunk_log2
+// holds at most one); at most the largest power of two with a 16-byte vector per lane in each
+// chunk. Unit u is chunk u & (nch - 1) of row u >> lg, with no division after a wait. Rounding
+// down, not up: a warp moves about the same bytes in fewer units, each of which pays its index
+// lookups (docs/protocol.md has the measurement). The quotient comes from the float unit (any
+// nch >= 1 is correct, it only sizes the work). Returns lg.
+__device__ __forceinline__ int chunk_log2_fill(int items, int warps, int nv) {
   if (items <= 0 || items >= 2 * warps) return 0;
   const int want = (int)ceilf(__fdividef(2.f * (float)warps, (float)items));
-  const int up = 32 - __clz(max(want, 1) - 1);   // ceil(log2(want))
+  const int down = 31 - __clz(max(want, 1));     // floor(log2(want))
   const int most = 31 - __clz(max(nv / 32, 1));  // floor(log2(vectors / 32))
-  return min(up, most);
+  return min(down, most);
 }
 
 // ---- error reporting into host-mapped memory ---------------------------------------------

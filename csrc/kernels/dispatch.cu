@@ -289,7 +289,7 @@ __device__ void copy_tokens(const Layout& L, const DispatchArgs& a, char* const*
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = L.row_bytes / 16;
   const int pairs = ntok * L.F;
-  const int lg = chunk_log2_up(pairs, kWarps / 2, nv);
+  const int lg = chunk_log2_fill(pairs, kWarps / 2, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg;
   for (int u = warp; u < (pairs << lg); u += kWarps) {
     const int pi = u >> lg, h = u & ((1 << lg) - 1);
@@ -503,7 +503,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   const int ntok = s_rb[nreg];
   const int items = ntok * L.R;
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
-  const int lg = chunk_log2_up(items, nw, nv);
+  const int lg = chunk_log2_fill(items, nw, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   // With row flags, visit (slot, region) slot-major, the order in which rows land (every
