@@ -30,13 +30,34 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   return v;
 }
 
+// ---- F_LL_SMALL reply: flagged units (common.cuh) -----------------------------------------
+// Either layout, ceil(bucket / S) <= kLLTokens: the FFN writes, into each Attention rank's
+// window, its start units (its receive is done; the bucket words of a mismatch) and every
+// token's row as units (the token layout's row as is, the expert layout's reduced row); the
+// Attention's collect reads them as they land, without waiting for the completion count and
+// its fence. The FFN still fences and signals completion afterwards: a collect in the count
+// form (another bucket, a larger T) waits for that, and the counts stay in step for the
+// exchanges that follow.
+
+// The FFN's start units of FFN index f in a window: ffn bucket | 0, sender bucket | 0.
+__device__ __forceinline__ uint64_t* llc_start(const Layout& L, char* base, int f) {
+  return reinterpret_cast<uint64_t*>(base + L.off_llc_start) + 2 * (size_t)f;
+}
+
+// Token t's row units from FFN index f: H / 2 units (two BF16 values each).
+__device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f, int t) {
+  return reinterpret_cast<uint64_t*>(base + L.off_llc) +
+         ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
+}
+
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
+// llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
-                            int warp, int src_idx, int slot = -1) {
+                            int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
   const int tok = a.token_index[item];
@@ -44,7 +65,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
   if (slot >= 0 && slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
-  if (tok < 0 || tok >= L.C) {
+  // units: tok < T <= bucket <= llc_tokens for a receipt's token
+  if (tok < 0 || tok >= (llf ? L.llc_tokens : L.C)) {
     if (lane == 0 && first) report_route(L.err, tok, 2);
     return;
   }
@@ -56,8 +78,12 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   __syncwarp();
   const int nv = L.H / 8;
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
+  uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  if (nvalid == 1) {
+  if (nvalid == 1 && llf) {
+    const int4* src = rows + (size_t)s_rows[warp][0] * nv;
+    for (int i = v0 + lane; i < v1; i += 32) st_ll_vec(dstu + 4 * (size_t)i, ld_nc_v4(src + i), llf);
+  } else if (nvalid == 1) {
     warp_copy16<false>(dst + v0, rows + (size_t)s_rows[warp][0] * nv + v0, v1 - v0, lane);
   } else {
     for (int i = v0 + lane; i < v1; i += 32) {
@@ -79,7 +105,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
       }
 #pragma unroll 1  // at most 3 rows; unrolled, 4 KB of code in the middle of the reply
       for (; r < nvalid; ++r) add_bf16x8(acc, ld_nc_v4(rows + (size_t)s_rows[warp][r] * nv + i));
-      dst[i] = pack_bf16x8(acc);
+      if (llf) st_ll_vec(dstu + 4 * (size_t)i, pack_bf16x8(acc), llf);
+      else dst[i] = pack_bf16x8(acc);
     }
   }
   __syncwarp();
@@ -124,25 +151,6 @@ __device__ __forceinline__ void report_mismatch(const Layout& L, const CombineAr
   st->ffn_bucket = a.bucket;
   st->sender_bucket = sb;
   st->seq = n;
-}
-
-// ---- F_LL_SMALL reply: flagged units (common.cuh) -----------------------------------------
-// Token layout, ceil(bucket / S) <= kLLTokens: the FFN writes, into each Attention rank's
-// window, its start units (its receive is done; the bucket words of a mismatch) and every
-// token's row as units; the Attention's collect reads them as they land, without waiting for
-// the completion count and its fence. The FFN still fences and signals completion afterwards:
-// a collect in the count form (another bucket, a larger T) waits for that, and the counts stay
-// in step for the exchanges that follow.
-
-// The FFN's start units of FFN index f in a window: ffn bucket | 0, sender bucket | 0.
-__device__ __forceinline__ uint64_t* llc_start(const Layout& L, char* base, int f) {
-  return reinterpret_cast<uint64_t*>(base + L.off_llc_start) + 2 * (size_t)f;
-}
-
-// Token t's row units from FFN index f: H / 2 units (two BF16 values each).
-__device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f, int t) {
-  return reinterpret_cast<uint64_t*>(base + L.off_llc) +
-         ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
 }
 
 // reply_token_rows with F_EARLY_LOADS: each warp loads its chunk of the row together with the
@@ -321,7 +329,9 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
-  constexpr bool kUnits = form_units(kForm);
+  // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
+  // layout's (kUnitReply); the collect's units (kSmallRecv)
+  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply;
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
@@ -361,10 +371,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
       for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
       // F_LL_SMALL: the start units (every Attention rank, mismatch or not) and the rows as
-      // units; ceil(bucket / S) <= kLLTokens, as the dispatch decided
-      const uint32_t llf = kUnits ? ll_flag(n)
-                           : (!kSmall && L.ll && a.tokens && a.rps <= L.llc_tokens) ? ll_flag(n)
-                                                                                 : 0u;
+      // units, in either layout when ceil(bucket / S) <= kLLTokens (the collect decides from
+      // its T, which its bucket bounds; a collect watching for units also takes the count
+      // form, see wait_reply_ll)
+      const bool units_fit = L.llc && (a.tokens ? a.rps : a.bucket) <= L.llc_tokens;
+      const uint32_t llf = (kUnits || (!kSmall && units_fit)) ? ll_flag(n) : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       // by the grid's last CTA, whose warps hold no row (at most: units * nch <= nw): on CTA 0
       // the mismatch load and the stores sat in front of the first row's first chunk
@@ -372,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }
-      if (kUnits || (!kSmall && a.tokens)) {
+      if (kForm == kSmallSend || (!kSmall && a.tokens)) {
         reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
@@ -381,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
             reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
-                        q - ai * a.bucket);
+                        q - ai * a.bucket, llf);
         }
       }
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
@@ -467,10 +478,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     const int ccv = (nv + (1 << clg) - 1) >> clg;
     const bool pre_route = (fl & F_EARLY_LOADS) && a.real_recv && gw < (a.T << clg);
     const uint64_t route0 = pre_route ? (uint64_t)a.route[gw >> clg] : 0;
-    // F_LL_SMALL (token layout, T <= kLLTokens * S): the replies' start units, or the count
+    // F_LL_SMALL (either layout, T <= kLLTokens * S): the replies' start units, or the count
     // form where an FFN rank sent that (see wait_reply_ll); the fence only for the latter
-    const bool ll =
-        kUnits || (!kSmall && L.ll && L.tokens && a.real_recv && a.T <= L.llc_tokens);
+    const bool ll = kUnits || (!kSmall && L.llc && a.real_recv && a.T <= L.llc_tokens);
     __shared__ int s_llc[3 * kMaxFfn];
     int fence = 1;
     if (ll) {
@@ -579,24 +589,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
 // The form a launch runs (F_SMALL_KERNELS), in one role only and with the four directional
 // controls: the token layout's flagged-unit reply (its early path, one pass of the grid: 4
-// warps per row) or collect; the expert layout's one-pass reply or its collect; else the
-// generic kernel (also for debug output and the sized grid's signal).
+// warps per row); the expert layout's one-pass reply (4 warps per receipt slot), its rows as
+// flagged units when the bucket is small; the collect of either layout from flagged units
+// (T <= kLLTokens * S) or in the count form; else the generic kernel (also for debug output
+// and the sized grid's signal).
 int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
   const bool send = a.do_send && a.real_send && !a.do_recv;
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
+  // the collect of either layout: flagged units (F_LL_SMALL, T <= kLLTokens * S)
+  if (recv && L.llc && a.T <= L.llc_tokens) return kSmallRecv;
   if (L.ll) {  // token layout
     if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps &&
         !L.sized)
       return kSmallSend;
-    return recv && a.T <= L.llc_tokens ? kSmallRecv : kGeneric;
+    return kGeneric;
   }
   if (L.tokens) return kGeneric;
-  // expert layout: the reply's one-pass path (4 warps per receipt slot) and the collect in the
-  // count form (the only one this layout has)
+  // expert layout: the reply's one-pass path (4 warps per receipt slot; its rows as units
+  // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
   if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps && !L.sized)
-    return kCountSend;
+    return L.llc && a.bucket <= L.llc_tokens ? kUnitReply : kCountSend;
   return recv ? kCountRecv : kGeneric;
 }
 
@@ -608,6 +622,8 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kSmallRecv>, L, a, grid, 0, stream);
     case kCountSend:
       return launch_transport_kernel(combine_kernel<kCountSend>, L, a, grid, 0, stream);
+    case kUnitReply:
+      return launch_transport_kernel(combine_kernel<kUnitReply>, L, a, grid, 0, stream);
     case kCountRecv:
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     default:

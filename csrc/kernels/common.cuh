@@ -17,12 +17,18 @@ constexpr int kWarps = kThreads / 32;
 // Which code a transport kernel is compiled for (its template argument, F_SMALL_KERNELS): every
 // path (kGeneric); the token layout's flagged-unit path (F_LL_SMALL) of a sender or a receiver
 // (kSmallSend, kSmallRecv); or the expert layout's count-block path of one role with few
-// tokens per channel: no fused, streamed or early-count copy (kCountSend, kCountRecv). All
-// small forms assume the four directional controls. A launch takes a small form only where the
-// generic kernel would take that path too (the host's dispatch_form / combine_form).
-enum KernelForm : int { kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4 };
+// tokens per channel: no fused, streamed or early-count copy (kCountSend, kCountRecv); or the
+// expert layout's one-pass reply with its rows as flagged units (kUnitReply; the collect of
+// either layout takes them in kSmallRecv). All small forms assume the four directional
+// controls. A launch takes a small form only where the generic kernel would take that path
+// too (the host's dispatch_form / combine_form).
+enum KernelForm : int {
+  kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4, kUnitReply = 5
+};
 __host__ __device__ constexpr bool form_units(int f) { return f == kSmallSend || f == kSmallRecv; }
-__host__ __device__ constexpr bool form_send_only(int f) { return f == kSmallSend || f == kCountSend; }
+__host__ __device__ constexpr bool form_send_only(int f) {
+  return f == kSmallSend || f == kCountSend || f == kUnitReply;
+}
 __host__ __device__ constexpr bool form_recv_only(int f) { return f == kSmallRecv || f == kCountRecv; }
 
 // ---- memory-model primitives -------------------------------------------------------------

@@ -71,6 +71,13 @@ CASES = {
                             [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "ll_small_ffn_units": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
                            [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # the expert layout's reply: units by default (bucket 8 <= 2 x 4, the role_aware case), the
+    # count form with AFDEP_LL_SMALL=0, and on one side only as above (the FFN's bucket 16
+    # replies in the count form to a collect watching for units; bucket 4 replies in units
+    # whose start units tell the mismatch)
+    "experts_counts": ({"AFDEP_LL_SMALL": "0"}, {}, EXCHANGES),
+    "experts_ffn_counts": ({}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "experts_ffn_units": ({}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}

@@ -288,6 +288,31 @@ def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
     graph_replays_1a1f(dtype, bucket, tokens, NO_EARLY, 9100)
 
 
+# The expert layout's reply rows as flagged units (AFDEP_LL_SMALL: bucket <= 2 x num_sms = 48)
+# below the edge (bucket 8), at it (48: every channel 2 tokens) and above it (49: the count
+# form, to a collect that watches for units at T <= 48); with the generic kernels (the same
+# units) and with the control at 0 (the count form everywhere)
+UNIT_CELLS = [("bfloat16", 8, 1), ("bfloat16", 48, 48), ("float8_e4m3fn", 49, 7)]
+
+
+@pytest.mark.parametrize("env", [{}, {"AFDEP_SMALL_KERNELS": "0"}, {"AFDEP_LL_SMALL": "0"}],
+                         ids=["units", "generic_kernels", "ll_off"])
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
+                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
+def test_expert_reply_units_graph_replays(dtype, bucket, tokens, env):
+    """100 checked graph replays of the expert layout around the reply units' edge."""
+    graph_replays_1a1f(dtype, bucket, tokens, env, 9200)
+
+
+@pytest.mark.parametrize("layout", ["2A2F", "3A1F", "1A3F"])
+def test_expert_reply_units_eager(layout):
+    """Several FFN ranks' units summed at the collect (2A2F, 1A3F), several Attention ranks'
+    units from one FFN rank (3A1F): the plan's T 0, 1, 7, 48 at bucket 48 and 7-8 at bucket 8,
+    back to back."""
+    kw = cfg_kw(layout, 48, 2048, "float8_e4m3fn" if layout == "1A3F" else "bfloat16")
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], 48), seed=17)
+
+
 def test_flag_round_trip_probe():
     """benchmarks.run's floor term: the initiator gets a plausible round trip per call (an
     NVLink flag crosses and returns in about 1.4 µs on these machines), the responder None."""

@@ -30,8 +30,8 @@ namespace afdep {
                                per-expert counts, which only the expert layout reads) */      \
   X(EARLY_LOADS, 13)        /* small T: independent global loads issued together at the       \
                                kernels' start */                                              \
-  X(LL_SMALL, 14)           /* token layout, at most kLLTokens per channel: the dispatch's    \
-                               words and the reply's rows travel in flagged 8-byte units, no  \
+  X(LL_SMALL, 14)           /* small buckets: the reply's rows (both layouts) and the token   \
+                               layout's dispatch words travel in flagged 8-byte units, no     \
                                fence and no flag in front of them */                          \
   X(SMALL_KERNELS, 15)      /* launches on a small-T path (flagged units; the expert layout's \
                                count blocks) run kernels compiled for that path and one role  \
@@ -79,7 +79,8 @@ constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;
 // Flagged units (F_LL_SMALL): a channel of at most kLLTokens tokens (ceil(bucket / S), which
 // sender and receiver both know) sends its count, metadata, rows and scales as 8-byte units,
 // each a 32-bit word and the low half of the exchange number; the sender's rows come from the
-// early loads' registers, so F_EARLY_LOADS is needed too.
+// early loads' registers, so F_EARLY_LOADS is needed too. The reply's rows go as units in
+// both layouts when the bucket gives at most kLLTokens tokens per channel (Layout::llc).
 constexpr int kLLTokens = 2;
 constexpr uint32_t kLLNeeds = F_LL_SMALL | F_EARLY_LOADS | kDirectional;
 
@@ -206,7 +207,8 @@ struct Layout {
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
   int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
   int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
-  int ll;         // 1: flagged units for small buckets (kLLNeeds all set, token layout)
+  int ll;         // 1: the dispatch's flagged units for small buckets (kLLNeeds, token layout)
+  int llc;        // 1: the reply's flagged units for small buckets (kLLNeeds, either layout)
   int tokens;     // 1: token-major receive layout (Config.receive_layout == "tokens"): the
                   // inbox slots of (source a, channel c) sit at stride ceil(bucket/S), indexed
                   // by Attention index, so the inbox is the FFN's [A*S*stride, H] input as is
@@ -314,9 +316,10 @@ inline void compute_offsets(Layout& L) {
   // combine inbox (shares the data area's start: one role uses one of the two)
   L.off_comb = L.off_data;
   L.combine_bytes = round_up((int64_t)L.nsrc_c * L.C * L.H * 2, 256);
+  L.llc = (L.flags & kLLNeeds) == kLLNeeds ? 1 : 0;
   L.llc_tokens = kLLTokens * L.S;
   L.off_llc_start = L.off_llc = 0;
-  if (L.ll) {  // the reply's units, behind the inbox (FFN-indexed in either layout)
+  if (L.llc) {  // the reply's units, behind the inbox (FFN-indexed)
     L.off_llc_start = L.off_comb + L.combine_bytes;
     L.combine_bytes += round_up((int64_t)L.F * 2 * 8, 256);
     L.off_llc = L.off_comb + L.combine_bytes;
