@@ -115,21 +115,22 @@ _CONTROLS = (
              "counts; collect: the routes before the wait); 0 = each load after the one it "
              "follows in the code"),
     _control("AFDEP_LL_SMALL", 14, 1,
-             "token layout, at most 2 tokens per channel "
-             "(ceil(bucket / num_sms) <= 2, rows in the early loads' registers): the "
-             "dispatch's count, metadata, rows and scales, and the reply's rows, travel as "
-             "8-byte units, each a 32-bit word and the exchange number's low half, so no "
-             "sender waits for a fence and no receiver for a count flag; the FFN's receive "
-             "moves the rows into their slots of the receive window, the zero-copy collect "
-             "into its inbox rows; needs AFDEP_EARLY_LOADS and the four directional controls; "
-             "0 = the payload, then a fence and the count flag"),
+             "at most 2 tokens per channel (ceil(bucket / num_sms) <= 2, rows in the early "
+             "loads' registers): the token layout's dispatch (count, metadata, rows, scales) "
+             "and the reply's rows in both layouts travel as 8-byte units, each a 32-bit word "
+             "and the exchange number's low half, so no sender waits for a fence and no "
+             "receiver for a count flag; the FFN's receive moves the rows into their slots of "
+             "the receive window, the zero-copy collect into its inbox rows; needs "
+             "AFDEP_EARLY_LOADS and the four directional controls; 0 = the payload, then a "
+             "fence and the count flag"),
     _control("AFDEP_SMALL_KERNELS", 15, 1,
              "with the four directional controls, a launch on a small-T path runs a form of "
-             "its kernel compiled for that path and its role alone: the token layout's "
-             "flagged units (AFDEP_LL_SMALL), or in the expert layout a channel of fewer "
-             "than 16 tokens and 32 KB (no fused, streamed or early-count copy), the "
-             "one-pass reply and the collect (15-32 KB of code instead of 82-134 KB); the "
-             "same protocol; 0 = the generic kernels"),
+             "its kernel compiled for that path and its role alone: the flagged units "
+             "(AFDEP_LL_SMALL: the token layout's dispatch and reply, either layout's "
+             "collect), or in the expert layout a channel of fewer than 16 tokens and 32 KB "
+             "(no fused, streamed or early-count copy), the one-pass reply (its rows as "
+             "units or not) and the count-form collect (13-32 KB of code instead of 87-134 "
+             "KB); the same protocol; 0 = the generic kernels"),
     _control("AFDEP_PARAM_BASES", 16, 1,
              "the window addresses of this rank and of the first 8 ranks of each role travel "
              "in the kernels' parameters, so the dispatch's stores to an FFN rank and the "
