@@ -229,8 +229,8 @@ __device__ __forceinline__ int chunk_log2(int units, int warps, int nv) {
 // holds at most one); at most the largest power of two with a 16-byte vector per lane in each
 // chunk. Unit u is chunk u & (nch - 1) of row u >> lg, with no division after a wait. Rounding
 // down, not up: a warp moves about the same bytes in fewer units, each of which pays its index
-// lookups (docs/protocol.md has the measurement). The quotient comes from the float unit (any
-// nch >= 1 is correct, it only sizes the work). Returns lg.
+// lookups (the measurement: docs/history.md, session 22). The quotient comes from the float
+// unit (any nch >= 1 is correct, it only sizes the work). Returns lg.
 __device__ __forceinline__ int chunk_log2_fill(int items, int warps, int nv) {
   if (items <= 0 || items >= 2 * warps) return 0;
   const int want = (int)ceilf(__fdividef(2.f * (float)warps, (float)items));
