@@ -137,6 +137,12 @@ _CONTROLS = (
              "reply's to an Attention rank need no global load first; the same protocol; 0 = "
              "each address from the role's rank table, then the peer table (two dependent "
              "loads)"),
+    _control("AFDEP_LONE_TOKEN", 17, 1,
+             "flagged units (AFDEP_LL_SMALL), small kernel forms (AFDEP_SMALL_KERNELS): a "
+             "sender CTA that holds one token (T <= num_sms) knows its slot, 0 in every "
+             "region, so one warp claims the token (route, id checks, metadata units) while "
+             "every other warp already stores the count units and the row's units; the same "
+             "units; 0 = the claim in shared memory, a barrier, then the copy"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

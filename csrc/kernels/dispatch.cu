@@ -53,6 +53,10 @@ __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region,
 // written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
 // pre: e_pre / w_pre already hold this lane's id and weight (F_EARLY_LOADS: -1 / 0 past k).
 // llf != 0 (F_LL_SMALL): the metadata words go out as units flagged llf instead.
+// kLone (F_LONE_TOKEN, units only): the CTA's only token: slot 0 in every region and position
+// 0 in every expert, no shared-memory arrays (s_cnt, s_ecnt, s_slot unused), and the FFN
+// windows from ffn_window (fb unused: no barrier behind the shared table's writes)
+template <bool kLone = false>
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
                             int c, bool pre, long long e_pre, float w_pre, uint32_t llf) {
@@ -82,7 +86,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   if (!count_only) {
     if (lane == 0) a.route[t] = (int64_t)mask;
 #pragma unroll 1  // one step for F <= 32; unrolled, 1.2 KB of code in front of every claim
-    for (int q = lane; q < L.F; q += 32) s_slot[i * L.F + q] = -1;
+    for (int q = lane; q < L.F && !kLone; q += 32) s_slot[i * L.F + q] = -1;
     __syncwarp();
   }
   while (mask) {
@@ -92,19 +96,21 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
     const int r = __popc(b & lanemask_lt());
     const int nloc = min(__popc(b), L.R);
     if (!count_only && lane == 0 && __popc(b) > L.R) report_route(L.err, fd, 1);
-    int slot = 0;
-    if (lane == 0) slot = atomicAdd(&s_cnt[fd], 1);
-    slot = __shfl_sync(kFull, slot, 0);
+    int slot = 0;  // kLone: the only token, slot 0 of each region
+    if (!kLone) {
+      if (lane == 0) slot = atomicAdd(&s_cnt[fd], 1);
+      slot = __shfl_sync(kFull, slot, 0);
+    }
     const bool mine = valid && f == fd && r < L.R;
     int pos = 0;
-    if (mine && !lean_counts(L)) pos = atomicAdd(&s_ecnt[e32], 1);  // lean: nobody reads them
+    if (mine && !lean_counts(L) && !kLone) pos = atomicAdd(&s_ecnt[e32], 1);  // lean: unread
     if (count_only) continue;
     if (slot >= a.stride) {  // cannot happen with T <= bucket <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
       continue;
     }
-    if (lane == 0) s_slot[i * L.F + fd] = slot;
-    char* base = fb[fd];
+    if (lane == 0 && !kLone) s_slot[i * L.F + fd] = slot;
+    char* base = kLone ? ffn_window(L, fd) : fb[fd];
     // the token layout keeps the source's columns: the entry's column instead of its
     // position within the expert
     const int el = e32 - fd * L.El, col = L.tokens ? lane : pos;
@@ -149,11 +155,13 @@ struct Preload {
   float w;           // and its weight
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
+  bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
 };
 
+// units: this launch sends flagged units (F_LL_SMALL)
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
-                                               Preload& p) {
-  p.ids = p.rows = false;
+                                               Preload& p, bool units) {
+  p.ids = p.rows = p.lone = false;
   p.e = -1;
   p.w = 0.f;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
@@ -162,7 +170,9 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
   const int ntok = hi - lo, nv = L.row_bytes / 16;
   if (ntok <= 0) return;
-  if (warp < ntok && lane < L.k) {
+  // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
+  const bool lone = units && ntok == 1 && (L.flags & F_LONE_TOKEN);
+  if ((warp < ntok || lone) && lane < L.k) {
     const size_t j = (size_t)(lo + warp) * L.k + lane;
     p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
                    : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
@@ -170,6 +180,7 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   }
   p.ids = warp < ntok;
   p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
+  p.lone = lone && p.rows;
   if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                 (size_t)lo * L.row_bytes);
@@ -183,9 +194,12 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
 // Copy stage of a preloaded CTA: each thread stores its vectors (and scale) into every slot
 // its token claimed. llf != 0 (F_LL_SMALL): into the token's units of each claimed region
 // instead, each 16-byte vector as four units and each scale as one, flagged llf.
+// kLone (F_LONE_TOKEN): one token, in slot 0 of the FFN ranks in lone_mask, the windows from
+// ffn_window (s_slot and fb unused).
+template <bool kLone = false>
 __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
                                const int* s_slot, int src_idx, int c, const Preload& p,
-                               uint32_t llf) {
+                               uint32_t llf, uint64_t lone_mask = 0) {
   const int tid = threadIdx.x, nv = L.row_bytes / 16;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
@@ -194,29 +208,31 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
     const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
-      const int slot = s_slot[i * L.F + fd];
+      const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
       if (slot < 0) continue;
+      char* const b = kLone ? ffn_window(L, fd) : fb[fd];
       if (llf) {
-        st_ll_vec(ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * col,
-                  p.v[j], llf);
+        st_ll_vec(ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints + 4 * col, p.v[j],
+                  llf);
         continue;
       }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
-      reinterpret_cast<int4*>(fb[fd] + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
+      reinterpret_cast<int4*>(b + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
     }
   }
   if (L.scale_cols && tid < ntok * L.scale_cols) {
     const int i = fast_div(tid, L.div_sc), q = tid - i * L.scale_cols;
     for (int fd = 0; fd < L.F; ++fd) {
-      const int slot = s_slot[i * L.F + fd];
+      const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
       if (slot < 0) continue;
+      char* const b = kLone ? ffn_window(L, fd) : fb[fd];
       if (llf) {
-        uint64_t* u = ll_token(L, ll_region(L, fb[fd], src_idx, c), slot) + L.meta_ints + 4 * nv;
+        uint64_t* u = ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints + 4 * nv;
         st_ll(u + q, __float_as_int(p.s), llf);
         continue;
       }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
-      reinterpret_cast<float*>(fb[fd] + L.off_scales)[gslot * L.scale_cols + q] = p.s;
+      reinterpret_cast<float*>(b + L.off_scales)[gslot * L.scale_cols + q] = p.s;
     }
   }
 }
@@ -863,6 +879,46 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   if (kSmall || L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
 }
 
+// The FFN ranks a token reaches: bit f for each FFN index f holding one of its valid ids
+// (e: this lane's id, -1 past k). One warp, the same mask in every lane.
+__device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e) {
+  const int lane = threadIdx.x & 31;
+  const bool valid = lane < L.k && e >= 0 && e < L.E;
+  const int f = valid ? fast_div((int)e, L.div_El) : -1;
+  const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
+  const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
+  return (uint64_t)lo | ((uint64_t)hi << 32);
+}
+
+// F_LONE_TOKEN: the send stage of a CTA holding one token on the flagged-unit path (pre.lone:
+// count-first, fused, streamed and early-count copies are all off there). The token's slot is
+// 0 in every region it reaches, and which FFN ranks it reaches follows from its ids, which
+// every warp holds. So warp 0 claims it (route, id checks, metadata units) while the other
+// warps store the region's count units and the row's units: no shared-memory claim and no
+// barrier between the claim and the copy. Every unit carries its flag: any order will do.
+// The FFN windows come from ffn_window, not the kernel's shared table: nothing here waits at a
+// barrier behind the table's writes.
+__device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
+                                const Preload& pre) {
+  const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
+  const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
+  const uint32_t llf = ll_flag(n);
+  const int src_idx = L.my_index;  // the token layout's regions: by Attention index
+  if (warp == 0) {
+    claim_token<true>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx, c, true,
+                      pre.e, pre.w, llf);
+    trace_mark(L, kTrClaimed, -1);
+  }
+  const uint64_t fmask = token_ffn_mask(L, pre.e);
+  for (int fd = tid - 32; fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
+    if (fd >= 0)
+      st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
+             kAheadNone | (a.bucket << kAheadBits), llf);
+  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  trace_mark(L, kTrCopied, -1);
+  trace_mark(L, kTrSent, kTrMaxSent);
+}
+
 // kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 template <int kForm>
@@ -882,8 +938,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // CTAs could keep another rank's dispatch off the SMs it needs to finish (2A2F and 3A1F on
   // one H200 under MPS timed out); the combine then launches as this grid ends.
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
-  Preload pre;
-  if (!kRecvOnly) preload_sender(L, a, pre);
+  Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
+  if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -912,7 +968,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (!kRecvOnly && a.do_send) {
+  if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
+    send_lone_token(L, a, n, pre);
+  } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
     int* s_slot = s_ecnt + L.E;        // [ceil(T/S)][F] claimed slot per (token, FFN) or -1

@@ -537,12 +537,24 @@ def test_token_layout_graphs_previous_defaults(layout, dtype_name):
 def test_token_layout_ll_small_graphs(layout, dtype_name):
     """AFDEP_LL_SMALL=1 (the default) with a bucket of 4 over the 2 channels, so that every
     exchange sends flagged units both ways (at most 2 tokens per channel): test_token_layout_
-    graphs' eager plan (T 0, 1, 3, 4 per Attention rank) and 100 checked graph replays with
-    hostile ids; the FFN's receive moves every row into its slot of the window (one view
+    graphs' eager plan (T 0, 1, 3, 4 per Attention rank; a sender CTA with one token, at T = 1
+    and 3, takes AFDEP_LONE_TOKEN's path) and 100 checked graph replays with hostile ids; the FFN's receive moves every row into its slot of the window (one view
     throughout); with one FFN rank the graphs collect zero-copy (the collect moves the reply
     units into the inbox row the caller's view reads), the eager exchanges with a copy."""
     test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4,
                              zero_copy=True)
+
+
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("3A1F", "bfloat16")])
+def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_LONE_TOKEN=0. By default a sender CTA
+    holding one token (T = 1, and one of the two CTAs at T = 3) skips the shared-memory claim:
+    warp 0 writes the metadata units while the other warps store the count and row units. With
+    the control at 0 every CTA claims, meets a barrier, then copies (the units are the same)."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                                      "AFDEP_LONE_TOKEN": "0"},
+                             cap=4, zero_copy=True)
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
