@@ -179,7 +179,7 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
   const bool lone = lone_ok && ntok == 1 && (L.flags & F_LONE_TOKEN);
   if ((warp < ntok || lone) && lane < L.k) {
-    const size_t j = (size_t)(lo + warp) * L.k + lane;
+    const size_t j = (size_t)(lo + (lone ? 0 : warp)) * L.k + lane;  // lone: every warp, token lo
     p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
                    : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
     p.w = a.weights[j];
