@@ -138,12 +138,11 @@ _CONTROLS = (
              "each address from the role's rank table, then the peer table (two dependent "
              "loads)"),
     _control("AFDEP_LONE_TOKEN", 17, 1,
-             "small kernel forms (AFDEP_SMALL_KERNELS), a sender CTA that holds one token "
-             "(T <= num_sms): its slot is 0 in every region and its position 0 in every "
-             "expert, so one warp claims the token (route, id checks, metadata) while every "
-             "other warp already stores its row (flagged units: and the count units; count "
-             "form: the count blocks follow one barrier later); the same data in the same "
-             "places; 0 = the claim in shared memory, a barrier, then the copy"),
+             "flagged units (AFDEP_LL_SMALL), small kernel forms (AFDEP_SMALL_KERNELS): a "
+             "sender CTA that holds one token (T <= num_sms) knows its slot, 0 in every "
+             "region, so one warp claims the token (route, id checks, metadata units) while "
+             "every other warp already stores the count units and the row's units; the same "
+             "units; 0 = the claim in shared memory, a barrier, then the copy"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

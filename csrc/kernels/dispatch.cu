@@ -53,10 +53,9 @@ __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region,
 // written to the FFN rank and s_slot[i][f] records the slot (-1: not reached).
 // pre: e_pre / w_pre already hold this lane's id and weight (F_EARLY_LOADS: -1 / 0 past k).
 // llf != 0 (F_LL_SMALL): the metadata words go out as units flagged llf instead.
-// kLone (F_LONE_TOKEN): the CTA's only token: slot 0 in every region and position 0 in every
-// expert, so no slot array (s_slot unused) and no atomics: with s_cnt (the count form) its
-// counts are plain stores of 1 (s_cnt, s_ecnt zeroed before); the FFN windows from ffn_window
-// (fb unused: no barrier behind the shared table's writes)
+// kLone (F_LONE_TOKEN, units only): the CTA's only token: slot 0 in every region and position
+// 0 in every expert, no shared-memory arrays (s_cnt, s_ecnt, s_slot unused), and the FFN
+// windows from ffn_window (fb unused: no barrier behind the shared table's writes)
 template <bool kLone = false>
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
@@ -101,15 +100,10 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
     if (!kLone) {
       if (lane == 0) slot = atomicAdd(&s_cnt[fd], 1);
       slot = __shfl_sync(kFull, slot, 0);
-    } else if (s_cnt != nullptr && lane == 0) {
-      s_cnt[fd] = 1;
     }
     const bool mine = valid && f == fd && r < L.R;
     int pos = 0;
-    if (mine && !lean_counts(L)) {  // lean: nobody reads them
-      if (!kLone) pos = atomicAdd(&s_ecnt[e32], 1);
-      else if (s_ecnt != nullptr) s_ecnt[e32] = 1;
-    }
+    if (mine && !lean_counts(L) && !kLone) pos = atomicAdd(&s_ecnt[e32], 1);  // lean: unread
     if (count_only) continue;
     if (slot >= a.stride) {  // cannot happen with T <= bucket <= C; never write out of bounds
       if (lane == 0) report_route(L.err, t, 2);
@@ -161,12 +155,12 @@ struct Preload {
   float w;           // and its weight
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
-  bool lone;         // F_LONE_TOKEN: one token, rows held, small send form: e / w in every warp
+  bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
 };
 
-// lone_ok: this launch runs a small send form (F_LONE_TOKEN's path)
+// units: this launch sends flagged units (F_LL_SMALL)
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
-                                               Preload& p, bool lone_ok) {
+                                               Preload& p, bool units) {
   p.ids = p.rows = p.lone = false;
   p.e = -1;
   p.w = 0.f;
@@ -177,7 +171,7 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   const int ntok = hi - lo, nv = L.row_bytes / 16;
   if (ntok <= 0) return;
   // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
-  const bool lone = lone_ok && ntok == 1 && (L.flags & F_LONE_TOKEN);
+  const bool lone = units && ntok == 1 && (L.flags & F_LONE_TOKEN);
   if ((warp < ntok || lone) && lane < L.k) {
     const size_t j = (size_t)(lo + (lone ? 0 : warp)) * L.k + lane;  // lone: every warp, token lo
     p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[j]
@@ -896,51 +890,32 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
   return (uint64_t)lo | ((uint64_t)hi << 32);
 }
 
-// F_LONE_TOKEN: the send stage of a CTA holding one token, in the small send forms (pre.lone:
+// F_LONE_TOKEN: the send stage of a CTA holding one token on the flagged-unit path (pre.lone:
 // count-first, fused, streamed and early-count copies are all off there). The token's slot is
-// 0 in every region it reaches (its position 0 in every expert), and which FFN ranks it
-// reaches follows from its ids, which every warp holds. So warp 0 claims it (route, id
-// checks, metadata) while the other warps store its row: no slot counters in shared memory
-// and no barrier between the claim and the copy. The FFN windows come from ffn_window, not
-// the kernel's shared table.
-// - Flagged units (kSmallSend): the other warps also store the count units; every unit
-//   carries its flag, so their order is free and nothing else follows.
-// - Count form (kCountSend, the expert layout): the claim stores the counts (s_cnt, s_ecnt,
-//   zeroed behind the barrier at the start), and one barrier after claim and copy, the count
-//   blocks and their flags go out as ever (publish_counts).
-template <int kForm>
-__device__ void send_lone_token(const Layout& L, const DispatchArgs& a, char* const* fb,
-                                uint64_t n, const Preload& pre, int* smem) {
-  constexpr bool kUnits = form_units(kForm);
+// 0 in every region it reaches, and which FFN ranks it reaches follows from its ids, which
+// every warp holds. So warp 0 claims it (route, id checks, metadata units) while the other
+// warps store the region's count units and the row's units: no shared-memory claim and no
+// barrier between the claim and the copy. Every unit carries its flag: any order will do.
+// The FFN windows come from ffn_window, not the kernel's shared table: nothing here waits at a
+// barrier behind the table's writes.
+__device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
+                                const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
-  const uint32_t llf = kUnits ? ll_flag(n) : 0u;
-  // the token layout's inbox by Attention index in the union layout too (as the kernel's)
-  const int src_idx = ((L.flags & F_ROLE_BUFFERS) || L.tokens) ? L.my_index : L.rank;
-  int* s_cnt = kUnits ? nullptr : smem;        // [F] (count form) tokens per FFN rank
-  int* s_ecnt = kUnits ? nullptr : smem + L.F;  // [E] entries per global expert
-  if (!kUnits) {
-    for (int i = tid; i < L.F + L.E; i += blockDim.x) smem[i] = 0;
-    __syncthreads();  // (in the loads' shadow; it also publishes fb, which publish_counts reads)
-  }
+  const uint32_t llf = ll_flag(n);
+  const int src_idx = L.my_index;  // the token layout's regions: by Attention index
   if (warp == 0) {
-    claim_token<true>(L, a, nullptr, t, 0, false, s_cnt, s_ecnt, nullptr, src_idx, c, true,
+    claim_token<true>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx, c, true,
                       pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
-  for (int fd = tid - 32; kUnits && fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
+  for (int fd = tid - 32; fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
     if (fd >= 0)
       st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
              kAheadNone | (a.bucket << kAheadBits), llf);
   copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
-  if (!kUnits) {
-    __syncthreads();  // the claim's counts and metadata, every warp's rows
-    trace_mark(L, kTrCopied, -1);
-    publish_counts(L, fb, n, false, s_cnt, s_ecnt, kAheadNone, a.bucket);
-  } else {
-    trace_mark(L, kTrCopied, -1);
-  }
+  trace_mark(L, kTrCopied, -1);
   trace_mark(L, kTrSent, kTrMaxSent);
 }
 
@@ -963,10 +938,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // CTAs could keep another rank's dispatch off the SMs it needs to finish (2A2F and 3A1F on
   // one H200 under MPS timed out); the combine then launches as this grid ends.
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
-  // (F_LONE_TOKEN: the small send forms only, kept out of the generic kernel)
-  constexpr bool kLoneForm = kForm == kSmallSend || kForm == kCountSend;
-  Preload pre;
-  if (!kRecvOnly) preload_sender(L, a, pre, kLoneForm);
+  Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
+  if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -995,8 +968,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (kLoneForm && a.do_send && pre.lone) {
-    send_lone_token<kForm>(L, a, s_fb, n, pre, smem);
+  if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
+    send_lone_token(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)

@@ -145,7 +145,7 @@ def test_zero_copy_collect(env):
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS", "AFDEP_PDL", "AFDEP_ONE_FENCE", "AFDEP_EARLY_LOADS",
-          "AFDEP_PARAM_BASES", "AFDEP_LONE_TOKEN"]
+          "AFDEP_PARAM_BASES"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
 # test_stream_expansion_eager reverts it at T = 2048
 
@@ -291,14 +291,12 @@ def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
 # The expert layout's reply rows as flagged units (AFDEP_LL_SMALL: bucket <= 2 x num_sms = 48)
 # below the edge (bucket 8), at it (48: every channel 2 tokens) and above it (49: the count
 # form, to a collect that watches for units at T <= 48); with the generic kernels (the same
-# units) and with the control at 0 (the count form everywhere). T = 1 and 7 (one token per
-# sender CTA) take AFDEP_LONE_TOKEN's send path; lone_off reverts it.
+# units) and with the control at 0 (the count form everywhere)
 UNIT_CELLS = [("bfloat16", 8, 1), ("bfloat16", 48, 48), ("float8_e4m3fn", 49, 7)]
 
 
-@pytest.mark.parametrize("env", [{}, {"AFDEP_SMALL_KERNELS": "0"}, {"AFDEP_LL_SMALL": "0"},
-                                 {"AFDEP_LONE_TOKEN": "0"}],
-                         ids=["units", "generic_kernels", "ll_off", "lone_off"])
+@pytest.mark.parametrize("env", [{}, {"AFDEP_SMALL_KERNELS": "0"}, {"AFDEP_LL_SMALL": "0"}],
+                         ids=["units", "generic_kernels", "ll_off"])
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_expert_reply_units_graph_replays(dtype, bucket, tokens, env):
