@@ -9,12 +9,15 @@ about 0.2 us off each stage).
 
 Usage:
     python scripts/sass_spans.py [--so torch_afdep/_cuda*.so] [--cuobjdump PATH] [--sass FILE]
-        [--kernel NAME]
+        [--resources FILE] [--kernel NAME]
 Prints, per kernel: its code bytes, its integer divisions by a run-time value (each starts
 with an `I2F.RP` or `I2F.U32.RP`, the reciprocal's seed; the small-T forms should have none,
 docs/protocol.md), and each %globaltimer read (the trace stamps, the deadlines) with its offset
-and the bytes since the previous one, plus the barriers, fences and calls in between. --sass
-reads a saved `cuobjdump -sass` listing instead of running it.
+and the bytes since the previous one, plus the barriers, fences and calls in between. With the
+extension (or --resources, a saved `cuobjdump --dump-resource-usage` listing) it also prints
+each kernel's registers a thread and stack bytes: on a GPU that ranks share, whether one rank's
+CTA still fits on an SM beside another's depends on them (65,536 registers an SM). --sass reads
+a saved `cuobjdump -sass` listing instead of running it.
 
 cuobjdump: --cuobjdump, $CUOBJDUMP, PATH, or /usr/local/cuda/bin. A machine with nvcc but no
 cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
@@ -41,6 +44,8 @@ _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _NOTABLE = ("BAR.", "MEMBAR", "CALL", "ATOMS", "ATOMG", "MATCH", "REDUX", "ACQBULK")
 #: the first instruction of the compiler's integer division by a run-time divisor
 _DIVISION = re.compile(r"^(@!?U?P\w+\s+)?I2F(\.U32)?\.RP\b")
+_RES_FUNC = re.compile(r"^\s*Function (\S+):\s*$")
+_RES_FIELD = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
 
 
 def parse_sass(text: str) -> Dict[str, List[Tuple[int, str]]]:
@@ -55,6 +60,23 @@ def parse_sass(text: str) -> Dict[str, List[Tuple[int, str]]]:
         m = _INSN.match(line)
         if m and cur is not None:
             cur.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def parse_resources(text: str) -> Dict[str, Dict[str, int]]:
+    """`cuobjdump --dump-resource-usage` text -> {mangled kernel name: {"REG": registers a
+    thread, "STACK", "SHARED", "LOCAL": bytes}}."""
+    out: Dict[str, Dict[str, int]] = {}
+    cur: Optional[str] = None
+    for line in text.splitlines():
+        m = _RES_FUNC.match(line)
+        if m:
+            cur = m.group(1)
+            continue
+        fields = _RES_FIELD.findall(line)
+        if cur is not None and fields:
+            out[cur] = {k: int(v) for k, v in fields}
+            cur = None
     return out
 
 
@@ -108,8 +130,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--so", default=None, help="the extension (default torch_afdep/_cuda*.so)")
     p.add_argument("--cuobjdump", default=None)
     p.add_argument("--sass", default=None, help="a saved cuobjdump -sass listing")
+    p.add_argument("--resources", default=None,
+                   help="a saved cuobjdump --dump-resource-usage listing (with --sass)")
     p.add_argument("--kernel", default=None, help="only kernels whose name contains this")
     args = p.parse_args(argv)
+    res_text = ""
+    if args.resources:
+        with open(args.resources) as f:
+            res_text = f.read()
     if args.sass:
         with open(args.sass) as f:
             text = f.read()
@@ -117,8 +145,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         so = args.so or next(iter(sorted(glob.glob("torch_afdep/_cuda*.so"))), None)
         if not so:
             raise SystemExit("no torch_afdep/_cuda*.so: build the extension or pass --so")
-        text = subprocess.run([_cuobjdump(args.cuobjdump), "-sass", so], check=True,
-                              capture_output=True, text=True).stdout
+        tool = _cuobjdump(args.cuobjdump)
+        text = subprocess.run([tool, "-sass", so], check=True, capture_output=True,
+                              text=True).stdout
+        if not res_text:
+            res_text = subprocess.run([tool, "--dump-resource-usage", so], check=True,
+                                      capture_output=True, text=True).stdout
+    resources = parse_resources(res_text)
     kernels = parse_sass(text)
     if not kernels:
         raise SystemExit("no kernels in the listing")
@@ -127,8 +160,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.kernel and args.kernel not in short:
             continue
         s = spans(insns)
+        res = resources.get(name)
+        regs = (f", {res.get('REG', 0)} registers a thread, {res.get('STACK', 0)} B stack"
+                if res else "")
         print(f"{short}: {s['bytes']:,} bytes of code, {s['divisions']} integer divisions, "
-              f"{len(s['stamps'])} %globaltimer reads")
+              f"{len(s['stamps'])} %globaltimer reads{regs}")
         for st in s["stamps"]:
             print(f"  at {st['offset']:#07x}: +{st['bytes']:>7,} B ({st['instructions']:>5} "
                   f"instructions) {_summary(st['notable'])}")

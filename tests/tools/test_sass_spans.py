@@ -61,3 +61,39 @@ def test_short_name_keeps_the_kernel_form():
                            "kernelILi2EEEvNS_6LayoutENS_12DispatchArgsE") == "dispatch_kernel<2>"
     assert tool.short_name("_ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm"
                            ) == "stamp_kernel"
+
+
+RESOURCES = """
+Fatbin elf code:
+================
+arch = sm_90a
+identifier = /work/main/csrc/kernels/dispatch.cu
+
+Resource usage:
+ Common:
+  GLOBAL:346 CONSTANT[4]:48
+ Function _ZN5afdep44_GLOBAL__N__359a11ab_11_dispatch_cu_63705c8615dispatch_kernelENS_6LayoutENS_12DispatchArgsE:
+  REG:70 STACK:40 SHARED:1648 LOCAL:0 CONSTANT[0]:1328 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm:
+  REG:8 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:904 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_resources_parsed_per_kernel():
+    res = _tool().parse_resources(RESOURCES)
+    assert len(res) == 2  # the "Common:" block names no kernel
+    d = next(v for k, v in res.items() if "dispatch_kernel" in k)
+    assert d == {"REG": 70, "STACK": 40, "SHARED": 1648, "LOCAL": 0}
+    assert next(v for k, v in res.items() if "stamp_kernel" in k)["REG"] == 8
+
+
+def test_main_prints_registers_from_a_saved_resource_listing(tmp_path, capsys):
+    f, r = tmp_path / "sass.txt", tmp_path / "res.txt"
+    f.write_text(LISTING)
+    r.write_text(RESOURCES)
+    assert _tool().main(["--sass", str(f), "--resources", str(r)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("dispatch_kernel: 176 bytes of code, 2 integer divisions, "
+                        "2 %globaltimer reads, 70 registers a thread, 40 B stack")
+    assert lines[-2] == ("stamp_kernel: 32 bytes of code, 0 integer divisions, "
+                         "1 %globaltimer reads, 8 registers a thread, 0 B stack")
