@@ -45,6 +45,14 @@ __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region,
   return region + 2 + (size_t)j * L.ll_token_units;
 }
 
+// One warp: bit f set for each FFN index f that some lane's valid id lives on (f: that id's
+// FFN index), the same mask in every lane.
+__device__ __forceinline__ uint64_t ffn_bits(bool valid, int f) {
+  const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
+  const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
+  return (uint64_t)lo | ((uint64_t)hi << 32);
+}
+
 // Claim stage of one token (one warp; i = token index inside this CTA's range). Lanes read the
 // k expert ids; duplicated ids count once (first occurrence); for each reached FFN rank one
 // slot of region (src, c) is claimed with a shared atomic, and each local entry takes the next
@@ -80,9 +88,7 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   const unsigned same = __match_any_sync(kFull, e32);
   valid = valid && (same & lanemask_lt()) == 0;
   const int f = valid ? fast_div(e32, L.div_El) : -1;
-  const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
-  const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
-  uint64_t mask = (uint64_t)lo | ((uint64_t)hi << 32);
+  uint64_t mask = ffn_bits(valid, f);
   if (!count_only) {
     if (lane == 0) a.route[t] = (int64_t)mask;
 #pragma unroll 1  // one step for F <= 32; unrolled, 1.2 KB of code in front of every claim
@@ -885,9 +891,7 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
   const int lane = threadIdx.x & 31;
   const bool valid = lane < L.k && e >= 0 && e < L.E;
   const int f = valid ? fast_div((int)e, L.div_El) : -1;
-  const unsigned lo = __reduce_or_sync(kFull, (valid && f < 32) ? (1u << f) : 0u);
-  const unsigned hi = __reduce_or_sync(kFull, (valid && f >= 32) ? (1u << (f - 32)) : 0u);
-  return (uint64_t)lo | ((uint64_t)hi << 32);
+  return ffn_bits(valid, f);
 }
 
 // F_LONE_TOKEN: the send stage of a CTA holding one token on the flagged-unit path (pre.lone:

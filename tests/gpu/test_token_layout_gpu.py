@@ -538,9 +538,10 @@ def test_token_layout_ll_small_graphs(layout, dtype_name):
     """AFDEP_LL_SMALL=1 (the default) with a bucket of 4 over the 2 channels, so that every
     exchange sends flagged units both ways (at most 2 tokens per channel): test_token_layout_
     graphs' eager plan (T 0, 1, 3, 4 per Attention rank; a sender CTA with one token, at T = 1
-    and 3, takes AFDEP_LONE_TOKEN's path) and 100 checked graph replays with hostile ids; the FFN's receive moves every row into its slot of the window (one view
-    throughout); with one FFN rank the graphs collect zero-copy (the collect moves the reply
-    units into the inbox row the caller's view reads), the eager exchanges with a copy."""
+    and 3, takes AFDEP_LONE_TOKEN's path) and 100 checked graph replays with hostile ids; the
+    FFN's receive moves every row into its slot of the window (one view throughout); with one
+    FFN rank the graphs collect zero-copy (the collect moves the reply units into the inbox row
+    the caller's view reads), the eager exchanges with a copy."""
     test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4,
                              zero_copy=True)
 

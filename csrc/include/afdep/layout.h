@@ -40,8 +40,8 @@ namespace afdep {
                                ranks of each role ride in the kernels' parameters (else two   \
                                dependent global loads: rank table, then peer table) */      \
   X(LONE_TOKEN, 17)         /* flagged units, a sender CTA of one token: its slot is 0 in     \
-                               every region, so every warp stores its row units at once while \
-                               one warp writes the metadata (no claim, no barrier between) */
+                               every region, so the other warps store its units while warp 0  \
+                               claims it (no slot counters, no barrier between) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
