@@ -41,7 +41,10 @@ namespace afdep {
                                dependent global loads: rank table, then peer table) */      \
   X(LONE_TOKEN, 17)         /* flagged units, a sender CTA of one token: its slot is 0 in     \
                                every region, so the other warps store its units while warp 0  \
-                               claims it (no slot counters, no barrier between) */
+                               claims it (no slot counters, no barrier between) */            \
+  X(EAGER_PLACE, 18)        /* the small token receive: warps that wait for no region header  \
+                               place each row as its units land (no barrier, no second load   \
+                               latency after the header) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
