@@ -558,26 +558,26 @@ def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):
                              cap=4, zero_copy=True)
 
 
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "float8_e4m3fn"), ("2A2F", "bfloat16"),
-                                               ("1A3F", "float8_e4m3fn")])
-def test_token_layout_eager_place_reverted_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_EAGER_PLACE=0. By default the first S CTAs
-    of the small token receive place every row as its units land, on the warps that wait for no
-    region header, and the other CTAs leave at once; with the control at 0 every CTA waits for
-    every header, meets a barrier, then places its share of the rows."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                                      "AFDEP_EAGER_PLACE": "0"},
-                             cap=4, zero_copy=True)
+EAGER = {"AFDEP_LL_SMALL": "1", "AFDEP_EAGER_PLACE": "1"}
 
 
-@pytest.mark.parametrize("layout,dtype_name", [(lay, dt) for lay in ("1A1F", "2A2F", "3A1F", "1A3F")
-                                               for dt in ("bfloat16", "float8_e4m3fn")])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_token_layout_eager_place_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_EAGER_PLACE=1 (experimental, off by
+    default): the first num_sms CTAs of the small token receive place every row as its units
+    land, on the warps that wait for no region header, and the other CTAs leave at once (with
+    the control at 0, as in test_token_layout_ll_small_graphs, every CTA waits for every
+    header, meets a barrier, then places its share of the rows)."""
+    test_token_layout_graphs(layout, dtype_name, env=EAGER, cap=4, zero_copy=True)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_eager_place_sized_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_SIZED_GRID=1: bucket 4 is below 32 tokens, so
-    the FFN's receive runs num_sms CTAs, every one of which places rows (AFDEP_EAGER_PLACE,
-    on by default; on the wide grid the CTAs past num_sms leave at once)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                                      "AFDEP_SIZED_GRID": "1"},
+    """test_token_layout_eager_place_graphs with AFDEP_SIZED_GRID=1: bucket 4 is below 32
+    tokens, so the FFN's receive runs num_sms CTAs, every one of which places rows."""
+    test_token_layout_graphs(layout, dtype_name, env={**EAGER, "AFDEP_SIZED_GRID": "1"},
                              cap=4, zero_copy=True)
 
 
@@ -601,13 +601,14 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     _check_small(res, dtype_name)
 
 
+@pytest.mark.parametrize("sized", ["0", "1"])
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-def test_token_layout_eager_place_sized_sanitizer_small(dtype_name):
-    """test_token_layout_ll_small_sanitizer_small on the sized grid (the eager placement on a
-    grid of num_sms CTAs, all of them placing), under compute-sanitizer memcheck."""
+def test_token_layout_eager_place_sanitizer_small(dtype_name, sized):
+    """test_token_layout_ll_small_sanitizer_small with AFDEP_EAGER_PLACE=1, on the wide grid
+    (its CTAs past num_sms leave at once) and on the sized grid (num_sms CTAs, all of them
+    placing), under compute-sanitizer memcheck."""
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SIZED_GRID": "1"},
-                                  timeout=900)
+                                  env={**EAGER, "AFDEP_SIZED_GRID": sized}, timeout=900)
     _check_small(res, dtype_name)
 
 
