@@ -33,6 +33,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from tests.helpers import devices  # noqa: E402
+from torch_afdep import controls  # noqa: E402
 
 devices.require_gpu_module()
 
@@ -227,6 +228,7 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_c
     out = {"errors": [], "problems": [], "views": set(), "route_errors": 0, "replays": 0}
     bucket = cap
     with ta.Buffer(None, cfg, device=dev) as buf:
+        out["flags"] = getattr(buf.transport, "flags", None)  # the controls the kernels got
         for step, tokens in enumerate(eager_plan(cap)):
             inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 10 + step) for a in range(a_n)]
             _eager_exchange(buf, cfg, inputs, bucket, out, f"eager {step}")
@@ -512,6 +514,12 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
+        # each control the test sets reached the kernels (a test of a control that did not
+        # reach them would pass on the default path)
+        for name, value in (env or {}).items():
+            if name in controls.CONTROLS and out["flags"] is not None:
+                on = bool(out["flags"] & controls.CONTROLS[name].bit)
+                assert on == (value == "1"), (r, name, value, hex(out["flags"]))
         assert not out["problems"], (r, out["problems"][:5])
         bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
         assert not bad, (r, bad[:5])
