@@ -1228,9 +1228,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // F_EAGER_PLACE (the small token receive): only the first S CTAs wait and place; the others
   // leave at once. CTA 0 books the counts and reports, and the rows are spread over the
   // placing warps of those S CTAs, so the rest have nothing to do, and their SMs are free for
-  // the other kernels in flight: on one GPU that two ranks share, CTAs of the other rank that
-  // shared an SM with a CTA of spinning placing warps made some processes take 100-300 us an
-  // exchange (66 receive CTAs; none with 24: docs/history.md, session 26)
+  // the other kernels in flight (with every CTA placing, some processes took 100-300 us an
+  // exchange on one shared GPU; with S, 1.1-3.5x in some: why it is off by default,
+  // docs/history.md, sessions 26-27)
   const int wait_warps = (L.A * L.S + 31) >> 5;
   const bool eager = kUnits && (fl & F_EAGER_PLACE) && wait_warps < kWarps;
   if (!kSendOnly && a.do_recv && !(eager && (int)blockIdx.x >= L.S)) {
