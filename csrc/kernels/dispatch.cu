@@ -346,6 +346,13 @@ __device__ void copy_rows_flagged(const Layout& L, const DispatchArgs& a, char* 
   }
 }
 
+// The sender's bucket from a count word (ahead | bucket << kAheadBits) when it declared one
+// that differs from the receiver's (its region is then taken as empty), else 0.
+__device__ __forceinline__ int differing_bucket(uint32_t word, int bucket) {
+  const int sb = (int)(word >> kAheadBits);
+  return sb != 0 && sb != bucket ? sb : 0;
+}
+
 // Write this CTA's counts into the count block (rank, c) of each target, then release seq.
 // ahead (early counts: the payload follows): kAheadNone, the counts imply the payload;
 // kAheadChannel, wait for the region's payload flag; kAheadRows, wait for each row's flag.
@@ -462,8 +469,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     const int word = g == tid ? h_word
                               : ld_cg_i32(reinterpret_cast<const int*>(
                                     cnt_block(L, mine, sr, ch) + 12));
-    const int sb = (int)((unsigned)word >> kAheadBits);
-    const bool differs = sb != 0 && sb != a.bucket;
+    const int sb = differing_bucket((uint32_t)word, a.bucket);
+    const bool differs = sb != 0;
     s_rb[g] = differs ? 0 : min(max(count, 0), L.slots);
     s_ready[g] = 0;
     s_ahead[g] = differs ? -1 : (word & kAheadMask);
@@ -725,8 +732,8 @@ __device__ void book_region(const Layout& L, const DispatchArgs& a, int g, char*
   const int word = units ? s_form[2 * nreg + g]
                          : ld_cg_i32(reinterpret_cast<const int*>(
                                cnt_block(L, mine, sr, ch) + 12));
-  const int sb = (int)((unsigned)word >> kAheadBits);
-  const bool differs = sb != 0 && sb != a.bucket;
+  const int sb = differing_bucket((uint32_t)word, a.bucket);
+  const bool differs = sb != 0;
   // a channel never sends more than ceil(T/S) <= stride tokens; guard the view anyway
   if (!differs && count > stride && blockIdx.x == 0) report_route(L.err, count, kRouteOverflow);
   s_cnt[g] = differs ? 0 : min(max(count, 0), stride);
@@ -791,8 +798,7 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
 __device__ __forceinline__ int eager_count(const DispatchArgs& a, uint64_t h0, uint64_t h1,
                                            const uint64_t* flag, uint64_t n, uint32_t llf) {
   if (ll_fresh(h0, llf) && ll_fresh(h1, llf)) {
-    const int sb = (int)((uint32_t)h1 >> kAheadBits);
-    return (sb != 0 && sb != a.bucket) ? 0 : min(max((int)(uint32_t)h0, 0), a.stride);
+    return differing_bucket((uint32_t)h1, a.bucket) ? 0 : min(max((int)(uint32_t)h0, 0), a.stride);
   }
   return ld_ll(flag) >= n ? 0 : -1;
 }
