@@ -24,6 +24,8 @@ cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
     pip download --no-deps -d /tmp/cuobjdump nvidia-cuda-cuobjdump
     python -m zipfile -e /tmp/cuobjdump/nvidia_cuda_cuobjdump-*.whl /tmp/cuobjdump/x
     # binary: /tmp/cuobjdump/x/nvidia/cu13/bin/cuobjdump (chmod +x)
+`cuobjdump -sass` also runs NVIDIA's disassembler, `nvdisasm`: where the machine lacks it, the
+same way from `nvidia-cuda-nvdisasm`, its directory in NVDISASM_PATH (chmod +x).
 """
 
 from __future__ import annotations

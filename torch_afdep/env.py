@@ -152,6 +152,15 @@ _CONTROLS = (
              "so a row is written one load latency after its units land; only the first "
              "num_sms CTAs wait and place, the others leave at once; the same outputs; 0 = "
              "every CTA waits for every header, then a barrier, then the rows"),
+    _control("AFDEP_LL_EXPERTS", 19, 0,
+             "experimental, off by default (written, not yet run on a GPU): the expert "
+             "layout's dispatch at small buckets (the AFDEP_LL_SMALL condition) travels as "
+             "the token layout's flagged units (count, metadata, rows, scales) instead of "
+             "the payload, a fence and a count block with per-expert counts; the FFN derives "
+             "each region's rows per expert from the entries' positions in the metadata "
+             "units and expands each row as its units land; needs AFDEP_LL_SMALL, "
+             "AFDEP_SMALL_KERNELS, AFDEP_ROLE_BUFFERS, AFDEP_EARLY_LOADS and the four "
+             "directional controls; 0 = the count-block path"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -212,13 +212,11 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   a.do_recv = all_peers ? 1 : 0;
   a.real_recv = 0;
   a.bucket = bucket;  // carried in the count blocks; the FFN compares it with its own
-  if (L_.tokens) {
-    // the token layout's inbox stride is the bucket's share per channel (the FFN's view)
-    need(bucket >= 1, "the token layout needs a declared bucket");
-    a.stride = (bucket + L_.S - 1) / L_.S;
-  } else {
-    a.stride = L_.slots;
-  }
+  // the token layout's inbox stride is the bucket's share per channel (the FFN's view); the
+  // expert layout's units (F_LL_EXPERTS) decide from the bucket on both sides
+  need(bucket >= 1 || !L_.tokens, "the token layout needs a declared bucket");
+  need(bucket >= 1 || !L_.llx, "AFDEP_LL_EXPERTS needs a declared bucket");
+  a.stride = dispatch_stride(L_, bucket);
   check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
 }
 
@@ -232,7 +230,7 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   DeviceGuard g(device_);
   const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
   DispatchArgs a{};
-  a.stride = L_.slots;
+  a.stride = dispatch_stride(L_, bucket);
   a.do_send = all_peers ? 1 : 0;
   a.real_send = 0;
   a.T = 0;
@@ -285,7 +283,7 @@ void Comm::receive_tokens(int bucket, uint64_t expert_ids, uint64_t weights, uin
   DeviceGuard g(device_);
   const bool all_peers = !(L_.flags & F_ROLE_WARPS) || !(L_.flags & F_ONE_WAY_COUNTS);
   DispatchArgs a{};
-  a.stride = (bucket + L_.S - 1) / L_.S;
+  a.stride = dispatch_stride(L_, bucket);
   a.do_send = all_peers ? 1 : 0;  // the symmetric protocol's dummy sender
   a.real_send = 0;
   a.T = 0;

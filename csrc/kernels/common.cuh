@@ -19,17 +19,29 @@ constexpr int kWarps = kThreads / 32;
 // (kSmallSend, kSmallRecv); or the expert layout's count-block path of one role with few
 // tokens per channel: no fused, streamed or early-count copy (kCountSend, kCountRecv); or the
 // expert layout's one-pass reply with its rows as flagged units (kUnitReply; the collect of
-// either layout takes them in kSmallRecv). All small forms assume the four directional
-// controls. A launch takes a small form only where the generic kernel would take that path
-// too (the host's dispatch_form / combine_form).
+// either layout takes them in kSmallRecv); the token layout's flagged-unit receive with the
+// eager placement (kEagerRecv, F_EAGER_PLACE: its code kept out of kSmallRecv); the expert
+// layout's receive of flagged units (kUnitExpRecv, F_LL_EXPERTS; its sender is kSmallSend),
+// and with that control its count-block receive (kCountRecvLL: kCountRecv, each wait also
+// watching for the units of a sender whose bucket differs).
+// All small forms assume the four directional controls. A launch takes a small form only
+// where the generic kernel would take that path too (the host's dispatch_form /
+// combine_form), except kUnitExpRecv and the expert layout's kSmallSend: the generic kernel
+// has no expert-layout units, so F_LL_EXPERTS needs F_SMALL_KERNELS.
 enum KernelForm : int {
-  kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4, kUnitReply = 5
+  kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4, kUnitReply = 5,
+  kEagerRecv = 6, kUnitExpRecv = 7, kCountRecvLL = 8
 };
-__host__ __device__ constexpr bool form_units(int f) { return f == kSmallSend || f == kSmallRecv; }
+__host__ __device__ constexpr bool form_units(int f) {
+  return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv;
+}
 __host__ __device__ constexpr bool form_send_only(int f) {
   return f == kSmallSend || f == kCountSend || f == kUnitReply;
 }
-__host__ __device__ constexpr bool form_recv_only(int f) { return f == kSmallRecv || f == kCountRecv; }
+__host__ __device__ constexpr bool form_recv_only(int f) {
+  return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
+         f == kCountRecvLL;
+}
 
 // ---- memory-model primitives -------------------------------------------------------------
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {

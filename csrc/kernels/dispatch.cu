@@ -27,10 +27,19 @@ constexpr int kPreVecs = 2;  // F_EARLY_LOADS: 16-byte row vectors per thread (s
 // the early loads' registers. Sender and receiver decide alike (both know bucket and H); a
 // sender with another bucket may decide otherwise, so each receiver wait also watches the
 // other form and takes such a region as a bucket mismatch.
-__host__ __device__ __forceinline__ bool ll_exchange(const Layout& L, const DispatchArgs& a) {
+__host__ __device__ __forceinline__ bool units_fit(const Layout& L, int stride) {
   const int nv = L.row_bytes / 16;
-  return L.ll && a.stride <= kLLTokens && a.stride * nv <= kPreVecs * kThreads &&
-         a.stride * L.scale_cols <= kThreads;
+  return stride <= kLLTokens && stride * nv <= kPreVecs * kThreads &&
+         stride * L.scale_cols <= kThreads;
+}
+__host__ __device__ __forceinline__ bool ll_exchange(const Layout& L, const DispatchArgs& a) {
+  return L.ll && units_fit(L, a.stride);
+}
+// F_LL_EXPERTS: the expert layout's exchange goes as the same units under the same limits
+// (its stride is then ceil(bucket / S), dispatch_stride); only the small forms send or take
+// them (dispatch_form), so the generic kernel never sees such an exchange.
+__host__ __device__ __forceinline__ bool llx_exchange(const Layout& L, const DispatchArgs& a) {
+  return L.llx && units_fit(L, a.stride);
 }
 
 // Units of region (src_idx, ch) in a window: [0] token count, [1] ahead | bucket << kAheadBits,
@@ -425,6 +434,85 @@ __device__ __forceinline__ void load_count_table(const Layout& L, char* mine, in
   }
 }
 
+// expand's shared-memory ints: s_tab [nreg][El], s_off [El + 1], s_rb [nreg + 1], s_ready,
+// s_ahead [nreg], s_maxj [1]
+__host__ __device__ __forceinline__ int expand_smem_ints(const Layout& L) {
+  const int nreg = L.A * L.S;
+  return nreg * L.El + L.El + 3 * nreg + 3;
+}
+
+// Each expert's rows in earlier regions: its column of s_tab [nreg][El] (rows per region and
+// expert) scanned in place, and its total into s_off[e]. Eight regions' loads in flight at a
+// time (one at a time, the store before each next load, the scan was a chain of nreg
+// shared-memory latencies).
+__device__ __forceinline__ void scan_expert_rows(int* s_tab, int* s_off, int nreg, int El) {
+  constexpr int kScanBatch = 8;
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    int run = 0, g = 0;
+#pragma unroll 1  // one batch of code (unrolled twice, 2 KB more on the small-T path)
+    for (; g + kScanBatch <= nreg; g += kScanBatch) {
+      int v[kScanBatch];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) v[i] = s_tab[(g + i) * El + e];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) {
+        s_tab[(g + i) * El + e] = run;
+        run += v[i];
+      }
+    }
+    for (; g < nreg; ++g) {
+      const int v = s_tab[g * El + e];
+      s_tab[g * El + e] = run;
+      run += v;
+    }
+    s_off[e] = run;
+  }
+}
+
+// Entry r of receipt item `item` (token tok of source rank sr, from region g): its row of the
+// expert-major layout, from its local expert el (-1: no entry) and its position pos among the
+// region's rows of el; -1 when out of range or past its expert's rows. With `write` (one lane)
+// also its receipt (token_rows, token_index) and the row's weight w and source.
+__device__ __forceinline__ int entry_row(const Layout& L, const DispatchArgs& a, const int* s_off,
+                                         const int* s_tab, int g, int el, int pos, int rows_cap,
+                                         size_t item, int r, int tok, float w, int sr,
+                                         bool write) {
+  int row = -1;
+  if (el >= 0 && el < L.El && pos >= 0) {
+    row = s_off[el] + s_tab[g * L.El + el] + pos;
+    if (row >= s_off[el + 1] || row >= rows_cap) row = -1;
+  }
+  if (write) {
+    a.out_token_rows[item * L.R + r] = row;
+    if (r == 0) a.out_token_index[item] = tok;
+    if (row >= 0) {
+      a.out_weights[row] = w;
+      a.out_src_rank[row] = sr;
+      a.out_src_token[row] = tok;
+    }
+  }
+  return row;
+}
+
+// After the table's scan (s_off: each expert's rows; s_rb: each region's tokens): both turned
+// into exclusive prefixes (s_off[El], s_rb[nreg]: the totals), and CTA 0 writes the expert
+// offsets and every source's token count. Starts and ends with a barrier.
+__device__ __forceinline__ void finish_offsets(const Layout& L, const DispatchArgs& a, int* s_off,
+                                               int* s_rb) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nreg = L.A * L.S;
+  __syncthreads();
+  if (warp == 0) warp_exclusive_scan(s_off, L.El, lane);
+  if (warp == 1) warp_exclusive_scan(s_rb, nreg, lane);
+  __syncthreads();
+  trace_mark(L, kTrReady, -1);
+  if (blockIdx.x == 0) {
+    const int rows_cap = L.A * a.bucket * L.R;
+    for (int e = tid; e <= L.El; e += blockDim.x) a.out_offsets[e] = min(s_off[e], rows_cap);
+    for (int ai = tid; ai < L.A; ai += blockDim.x)
+      a.out_num_tokens[ai] = min(s_rb[(ai + 1) * L.S] - s_rb[ai * L.S], a.bucket);
+  }
+}
+
 // Receiver side: expand every arrived token into the expert-major outputs. Rows are placed
 // without atomics: row = offset of the expert + rows of that expert in earlier regions (source,
 // channel) + the entry's position within its region (from the sender). Work is split into
@@ -461,15 +549,22 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
   // Bucket check (one int per sender CTA): a region whose sender declared another bucket
   // is taken as empty (no rows, no waits, nothing written for it); CTA 0 records it per
   // source for the reply (L.mismatch) and reports it once per source (kRouteBucket).
+  // F_LL_EXPERTS: the regions' forms (the receive's waits) behind expand's arrays; a region
+  // that came as units declared another bucket (the same bucket gives the same form)
+  const int* s_formx = smem + expand_smem_ints(L);
+  const bool llx = (kForm == kGeneric || kForm == kCountRecvLL) && L.llx;
   int bad = 0;
   for (int g = tid; g < nreg; g += blockDim.x) {
     const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
     const int sr = L.rank_of_attn[ai];
-    const int count = g == tid ? h_count : blk_count(L, mine, sr, ch);
-    const int word = g == tid ? h_word
-                              : ld_cg_i32(reinterpret_cast<const int*>(
-                                    cnt_block(L, mine, sr, ch) + 12));
-    const int sb = differing_bucket((uint32_t)word, a.bucket);
+    const bool units = llx && s_formx[g];
+    const int count = units ? 0 : g == tid ? h_count : blk_count(L, mine, sr, ch);
+    const int word = units ? s_formx[2 * nreg + g]
+                     : g == tid ? h_word
+                                : ld_cg_i32(reinterpret_cast<const int*>(
+                                      cnt_block(L, mine, sr, ch) + 12));
+    int sb = differing_bucket((uint32_t)word, a.bucket);
+    if (units && sb == 0) sb = a.bucket;  // (cannot happen: the same bucket, the same form)
     const bool differs = sb != 0;
     s_rb[g] = differs ? 0 : min(max(count, 0), L.slots);
     s_ready[g] = 0;
@@ -486,30 +581,7 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     __syncthreads();
   }
   trace_mark(L, kTrTable, -1);
-  // each expert's rows in earlier regions: its column of s_tab scanned in place, eight regions'
-  // loads in flight at a time (one at a time, the store before each next load, the scan was
-  // a chain of nreg shared-memory latencies)
-  constexpr int kScanBatch = 8;
-  for (int e = tid; e < El; e += blockDim.x) {
-    int run = 0, g = 0;
-#pragma unroll 1  // one batch of code (unrolled twice, 2 KB more on the small-T path)
-    for (; g + kScanBatch <= nreg; g += kScanBatch) {
-      int v[kScanBatch];
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i) v[i] = s_tab[(g + i) * El + e];
-#pragma unroll
-      for (int i = 0; i < kScanBatch; ++i) {
-        s_tab[(g + i) * El + e] = run;
-        run += v[i];
-      }
-    }
-    for (; g < nreg; ++g) {
-      const int v = s_tab[g * El + e];
-      s_tab[g * El + e] = run;
-      run += v;
-    }
-    s_off[e] = run;
-  }
+  scan_expert_rows(s_tab, s_off, nreg, El);
   if (!kSmall && L.stream && warp == kWarps - 1) {  // s_rb still holds counts (scan next)
     int m = 0, rows = 0;
     for (int g = lane; g < nreg; g += 32) {
@@ -520,17 +592,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     rows = __any_sync(0xffffffffu, rows);
     if (lane == 0) *s_maxj = rows ? m : -1;  // -1: no row flags in this exchange
   }
-  __syncthreads();
-  if (warp == 0) warp_exclusive_scan(s_off, El, lane);
-  if (warp == 1) warp_exclusive_scan(s_rb, nreg, lane);
-  __syncthreads();
-  trace_mark(L, kTrReady, -1);
+  finish_offsets(L, a, s_off, s_rb);
   const int rows_cap = L.A * a.bucket * L.R;
-  if (c == 0) {
-    for (int e = tid; e <= El; e += blockDim.x) a.out_offsets[e] = min(s_off[e], rows_cap);
-    for (int ai = tid; ai < L.A; ai += blockDim.x)
-      a.out_num_tokens[ai] = min(s_rb[(ai + 1) * L.S] - s_rb[ai * L.S], a.bucket);
-  }
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   const int nv = L.row_bytes / 16;
   const int ntok = s_rb[nreg];
@@ -579,7 +642,6 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
     const int tok = ld_cg_i32(meta);
     const int nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
     const size_t item = (size_t)ai * a.bucket + s;
-    int row = -1;
     float w = 0.f;
     int el = -1, pos = -1;
     if (L.flags & F_EARLY_LOADS) {  // the entry's words with the header's, then masked
@@ -591,21 +653,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       pos = ld_cg_i32(meta + 2 + 2 * L.R + r);
       w = __int_as_float(ld_cg_i32(meta + 2 + L.R + r));
     }
-    if (r < nloc) {
-      if (el >= 0 && el < El && pos >= 0) {
-        row = s_off[el] + s_tab[g * El + el] + pos;
-        if (row >= s_off[el + 1] || row >= rows_cap) row = -1;
-      }
-    }
-    if (h == 0 && lane == 0) {
-      a.out_token_rows[item * L.R + r] = row;
-      if (r == 0) a.out_token_index[item] = tok;
-      if (row >= 0) {
-        a.out_weights[row] = w;
-        a.out_src_rank[row] = sr;
-        a.out_src_token[row] = tok;
-      }
-    }
+    const int row = entry_row(L, a, s_off, s_tab, g, r < nloc ? el : -1, pos, rows_cap, item, r,
+                              tok, w, sr, h == 0 && lane == 0);
     if (row < 0) continue;
     if (!kSmall && L.early && s_ahead[g] == kAheadRows) {  // counts first: wait for the row's flag
       int ok = 1;
@@ -925,6 +974,37 @@ __device__ bool place_tokens_eager(const Layout& L, const DispatchArgs& a, uint6
   return true;
 }
 
+// Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
+// every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
+// -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
+// at the deadline (reported), in every lane.
+__device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
+                                                 uint64_t deadline, int sr, int& tok, int& nloc,
+                                                 int& el, int& wi, int& col) {
+  const int lane = threadIdx.x & 31;
+  uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
+  if (lane < 2) uh = ld_ll(u + lane);
+  if (lane < L.R) {  // entries past the header's count are masked below
+    ue = ld_ll(u + 2 + lane);
+    uw = ld_ll(u + 2 + L.R + lane);
+    uc = ld_ll(u + 2 + 2 * L.R + lane);
+  }
+  bool ok = true;
+  constexpr int ph = kPhaseDispatch;
+  if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
+  nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
+  tok = __shfl_sync(kFull, tok, 0);
+  el = -1;
+  wi = 0;
+  col = -1;
+  if (lane < nloc) {
+    ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
+         ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
+         ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);
+  }
+  return __all_sync(kFull, ok);
+}
+
 // Receiver side of the token layout: the payload already sits where the FFN reads it (the
 // inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
 // view), so this writes only the metadata of every row and waits until each reported row's
@@ -977,28 +1057,12 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     int tok = 0, nloc = 0, el = -1, col = -1;
     float w = 0.f;
     if (L.ll && s_form[g]) {  // flagged units: all loaded at once, then each one waited for
-      const uint64_t* u = ll_token(L, ll_region(L, mine, ai, ch), j);
-      uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
-      if (lane < 2) uh = ld_ll(u + lane);
-      if (lane < L.R) {  // entries past the header's count are masked below
-        ue = ld_ll(u + 2 + lane);
-        uw = ld_ll(u + 2 + L.R + lane);
-        uc = ld_ll(u + 2 + 2 * L.R + lane);
-      }
-      bool ok = true;
-      constexpr int ph = kPhaseDispatch;
-      if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
-      nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
-      tok = __shfl_sync(kFull, tok, 0);
-      if (lane < nloc) {
-        int wi = 0;
-        ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
-             ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
-             ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);
-        w = __int_as_float(wi);
-        if (el < 0 || el >= L.El) col = -1;
-      }
-      if (!__all_sync(kFull, ok)) return;
+      int wi = 0;
+      if (!load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline, sr,
+                            tok, nloc, el, wi, col))
+        return;
+      w = __int_as_float(wi);
+      if (el < 0 || el >= L.El) col = -1;
     } else if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
       tok = ld_cg_i32(meta);
       nloc = min(max(ld_cg_i32(meta + 1), 0), L.R);
@@ -1044,6 +1108,101 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
   }
   if (kSmall || L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
+}
+
+// F_LL_EXPERTS, the expert layout's receive of flagged units (kUnitExpRecv). Every region is
+// booked (s_cnt: its tokens, 0 on a bucket mismatch; s_form: it came as units) and s_tab was
+// zeroed before the waits. No per-expert counts travel: an entry's position is its rank among
+// its region's entries of that expert (the sender's claim), so a region's rows of an expert
+// are its largest position + 1, read from the metadata units. Then as expand: the offsets, the
+// receipts, and (token, entry, chunk) units, each copying its chunk of the row from the units
+// into the expert-major row as they land.
+__device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
+                             uint64_t deadline, int* smem) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
+  char* mine = own_window(L);
+  const int nreg = L.A * L.S, El = L.El, stride = a.stride;
+  const int* s_cnt = smem;              // [nreg] booked token counts (book_region)
+  const int* s_form = smem + 3 * nreg;  // [nreg] 1: the region came as units
+  int* s_tab = smem + 6 * nreg;         // [nreg][El] rows per (region, expert) -> prefix
+  int* s_off = s_tab + nreg * El;       // [El + 1] first row of each expert
+  int* s_rb = s_off + El + 1;           // [nreg + 1] first token (receive order) of each region
+  const uint32_t llf = ll_flag(n);
+  // (a region that came as a count block is a bucket mismatch, booked empty: every sender of
+  // this form declares its bucket, Comm::dispatch)
+  for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
+  bool ok = true;
+  for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major, as they land
+    const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
+    if (!s_form[g] || j >= s_cnt[g]) continue;
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+    int tok, nloc, el, wi, pos;
+    ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
+                          L.rank_of_attn[ai], tok, nloc, el, wi, pos);
+    if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
+      atomicMax(&s_tab[g * El + el], pos + 1);
+  }
+  if (!__syncthreads_and(ok ? 1 : 0)) return;
+  trace_mark(L, kTrTable, -1);
+  scan_expert_rows(s_tab, s_off, nreg, El);
+  finish_offsets(L, a, s_off, s_rb);
+  const int rows_cap = L.A * a.bucket * L.R;
+  const int nv = L.row_bytes / 16;
+  const int items = s_rb[nreg] * L.R;
+  const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
+  const int lg = chunk_log2_fill(items, nw, nv);
+  const int cv = (nv + (1 << lg) - 1) >> lg;
+  for (int u = gw; u < (items << lg); u += nw) {
+    const int h = u & ((1 << lg) - 1), it = u >> lg;
+    const int q = fast_div(it, L.div_R), r = it - q * L.R;
+    const int g = upper_index(s_rb, nreg, q);
+    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, j = q - s_rb[g];
+    const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
+    if (s >= a.bucket) {
+      if (lane == 0 && r == 0 && h == 0) report_route(L.err, s, 2);
+      continue;
+    }
+    const int sr = L.rank_of_attn[ai];
+    const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
+    const uint64_t* ur = ut + L.meta_ints;  // the row: four units per 16-byte vector
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    // this lane's first vector of the chunk loads with the metadata: one latency for both
+    uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
+    if (v0 + lane < v1) {
+      ld_ll2(ur + 4 * (size_t)(v0 + lane), x0, x1);
+      ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
+    }
+    int tok, nloc, el, wi, pos;
+    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    el = __shfl_sync(kFull, el, r);  // entry r: lane r's
+    pos = __shfl_sync(kFull, pos, r);
+    wi = __shfl_sync(kFull, wi, r);
+    const size_t item = (size_t)ai * a.bucket + s;
+    const int row = entry_row(L, a, s_off, s_tab, g, r < nloc ? el : -1, pos, rows_cap, item, r,
+                              tok, __int_as_float(wi), sr, h == 0 && lane == 0);
+    if (row < 0) continue;
+    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
+    bool got = true;
+    for (int v = v0 + lane; v < v1 && got; v += 32) {
+      int4 x;
+      if (v == v0 + lane && ll_fresh(x0, llf) && ll_fresh(x1, llf) && ll_fresh(x2, llf) &&
+          ll_fresh(x3, llf))
+        x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
+      else
+        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
+      if (got) dst[v] = x;
+    }
+    if (h == 0 && L.scale_cols) {
+      float* ds = a.out_scales + (size_t)row * L.scale_cols;
+      for (int q2 = lane; q2 < L.scale_cols && got; q2 += 32) {
+        int wd = 0;
+        got = wait_ll(ur + 4 * (size_t)nv + q2, llf, deadline, L.err, kPhaseDispatch, sr, L.rank,
+                      wd);
+        if (got) ds[q2] = __int_as_float(wd);
+      }
+    }
+    if (!__all_sync(kFull, got)) return;
+  }
 }
 
 // The FFN ranks a token reaches: bit f for each FFN index f holding one of its valid ids
@@ -1238,7 +1397,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // exchange on one shared GPU; with S, 1.1-3.5x in some: why it is off by default,
   // docs/history.md, sessions 26-27)
   const int wait_warps = (L.A * L.S + 31) >> 5;
-  const bool eager = kUnits && (fl & F_EAGER_PLACE) && wait_warps < kWarps;
+  const bool eager = kForm == kEagerRecv && (fl & F_EAGER_PLACE) && wait_warps < kWarps;
   if (!kSendOnly && a.do_recv && !(eager && (int)blockIdx.x >= L.S)) {
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
@@ -1250,6 +1409,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       // takes the second path: the fence, then those regions' counts
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
+      if (kForm == kUnitExpRecv)  // expand_units' rows per (region, expert), zeroed meanwhile
+        for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
       // F_EAGER_PLACE: the warps past those that wait (one thread per region) place the rows
       // meanwhile; the waits still book every region (token counts, bucket reports)
       if (eager && warp >= wait_warps && !place_tokens_eager(L, a, n, deadline, wait_warps))
@@ -1278,6 +1439,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
       if (!__syncthreads_and(ok ? 1 : 0)) return;
       fence = __syncthreads_or(fence);
+    } else if ((kForm == kGeneric || kForm == kCountRecvLL) && L.llx && a.real_recv) {
+      // F_LL_EXPERTS, the count form: a sender whose bucket differs may come as units, so every
+      // region is awaited in either form (the forms behind expand's arrays), and expand takes
+      // one that came as units as a bucket mismatch (kCountRecv keeps its code without this)
+      int* s_formx = smem + expand_smem_ints(L);
+      for (int i = tid; i < L.A * L.S && ok; i += blockDim.x)
+        ok = wait_region_ll(L, mine, i, n, deadline, s_formx) >= 0;
+      if (!__syncthreads_and(ok ? 1 : 0)) return;
     } else {
       for (int i = tid; i < nsrc * L.S && ok; i += blockDim.x) {
         const int ai = fast_div(i, L.div_S), ch = i - ai * L.S;
@@ -1294,7 +1463,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kUnits || (!kSmall && L.tokens))
+      if (kForm == kUnitExpRecv)
+        expand_units(L, a, n, deadline, smem);
+      else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm>(L, a, n, deadline, smem, booked, eager);
       else expand<kForm>(L, a, n, deadline, smem);
     }
@@ -1313,20 +1484,39 @@ size_t dispatch_smem_bytes(const Layout& L) {
   const size_t nreg = (size_t)L.A * L.S;
   size_t recv = (nreg * L.El + L.El + 1 + 3 * nreg + 2) * 4;
   if (L.ll && recv < 6 * nreg * 4) recv = 6 * nreg * 4;  // place_tokens' arrays + s_form
+  // F_LL_EXPERTS: the booked arrays, then expand_units' table, offsets and region starts
+  // and the count form's expand (the regions' forms behind its arrays)
+  const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1) * 4;
+  const size_t count = ((size_t)expand_smem_ints(L) + 3 * nreg) * 4;
+  if (L.llx && recv < units) recv = units;
+  if (L.llx && recv < count) recv = count;
   return send > recv ? send : recv;
+}
+
+int dispatch_stride(const Layout& L, int bucket) {
+  const int per = (bucket + L.S - 1) / L.S;
+  if (L.tokens) return per;
+  DispatchArgs a{};
+  a.stride = per;
+  return bucket >= 1 && llx_exchange(L, a) ? per : L.slots;
 }
 
 // The form a launch runs (F_SMALL_KERNELS), in one role only and with the four directional
 // controls: the flagged-unit path (L.ll: token layout, early loads), or the expert layout's
 // count-block path at few tokens per channel; else the generic kernel (also for debug output).
 int dispatch_form(const Layout& L, const DispatchArgs& a) {
-  if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
-    return kGeneric;
   const bool send = a.do_send && a.real_send && !a.do_recv;
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
+  // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
+  // forms hold the expert layout's units, so they run with debug output on too
+  if (L.llx && llx_exchange(L, a)) return send ? kSmallSend : recv ? kUnitExpRecv : kGeneric;
+  if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
+    return kGeneric;
   if (L.ll) {
     if (!ll_exchange(L, a)) return kGeneric;
-    return send ? kSmallSend : recv ? kSmallRecv : kGeneric;
+    if (send) return kSmallSend;
+    // F_EAGER_PLACE: its own form, so that kSmallRecv keeps its compact code without it
+    return recv ? ((L.flags & F_EAGER_PLACE) ? kEagerRecv : kSmallRecv) : kGeneric;
   }
   if (L.tokens) return kGeneric;
   // expert layout: the most tokens a channel of this exchange holds (a sender's own T; a
@@ -1334,7 +1524,7 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   // counts ahead (a mismatched sender's region is taken as empty, whatever it sent)
   const int per = send ? (a.T + L.S - 1) / L.S : (a.bucket + L.S - 1) / L.S;
   if (per >= kWarps || (L.early && (int64_t)per * L.row_bytes >= kEarlyMinBytes)) return kGeneric;
-  return send ? kCountSend : recv ? kCountRecv : kGeneric;
+  return send ? kCountSend : recv ? (L.llx ? kCountRecvLL : kCountRecv) : kGeneric;
 }
 
 cudaError_t dispatch_prepare(const Layout& L) {
@@ -1346,6 +1536,9 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kEagerRecv>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
   return e;
 }
 
@@ -1360,6 +1553,12 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kCountSend>, L, a, grid, smem, stream);
     case kCountRecv:
       return launch_transport_kernel(dispatch_kernel<kCountRecv>, L, a, grid, smem, stream);
+    case kEagerRecv:
+      return launch_transport_kernel(dispatch_kernel<kEagerRecv>, L, a, grid, smem, stream);
+    case kUnitExpRecv:
+      return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
+    case kCountRecvLL:
+      return launch_transport_kernel(dispatch_kernel<kCountRecvLL>, L, a, grid, smem, stream);
     default:
       return launch_transport_kernel(dispatch_kernel<kGeneric>, L, a, grid, smem, stream);
   }

@@ -78,6 +78,12 @@ CASES = {
     "experts_counts": ({"AFDEP_LL_SMALL": "0"}, {}, EXCHANGES),
     "experts_ffn_counts": ({}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "experts_ffn_units": ({}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_LL_EXPERTS (experimental): the expert layout's dispatch as units on both sides, and
+    # on one side only: the FFN's count form (bucket 16) watching for the Attention's units,
+    # and the FFN's units receive seeing the Attention's count block (bucket 16)
+    "ll_experts": ({"AFDEP_LL_EXPERTS": "1"}, {}, EXCHANGES),
+    "ll_experts_ffn_counts": ({"AFDEP_LL_EXPERTS": "1"}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}

@@ -19,6 +19,7 @@ from tests.helpers import devices  # noqa: E402
 
 devices.require_gpu_module()
 
+from torch_afdep import controls  # noqa: E402
 from torch_afdep.testing import spawn_world  # noqa: E402
 
 from tests.helpers import transport_bodies as gw  # noqa: E402
@@ -365,6 +366,53 @@ def test_registered_bytes_per_role():
         print(layout, [(s["role"], s["registered_bytes"]) for s in stats], "union", union,
               f"{100.0 * total / union:.1f}%")
         assert total < union
+
+
+# AFDEP_LL_EXPERTS (experimental, off by default): the expert layout's dispatch as flagged
+# units when a channel holds at most 2 tokens (bucket <= 2 x num_sms = 48; the FFN's receive
+# in kUnitExpRecv), the count form above that (the FFN's count-form receive then also watches
+# for units, kCountRecvLL), back to back in one plan
+LLX = {"AFDEP_LL_EXPERTS": "1"}
+
+
+def llx_plan(A):
+    """tokens_plan at capacity 128 (buckets 128: the count form; 8: units), then buckets 48
+    (every channel 2 tokens at T = 48), 2 and 48 again (units)."""
+    return tokens_plan(A, 128) + [
+        (48, [(48, 1, 7)[a % 3] for a in range(A)], "random"),
+        (2, [(1, 2, 0)[a % 3] for a in range(A)], "skewed"),
+        (48, [(0, 48, 33)[a % 3] for a in range(A)], "partial"),
+    ]
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_ll_experts_eager(layout, dtype):
+    """AFDEP_LL_EXPERTS=1: every exchange of llx_plan exact on every rank (the FFN's rows,
+    offsets, weights, payload bits and receipts against every source; the Attention's output
+    against the fp64 reference), the control on in every rank's transport."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=LLX, seed=19)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_LL_EXPERTS"].bit, (r, hex(st["flags"]))
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
+                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
+def test_ll_experts_graph_replays(dtype, bucket, tokens):
+    """AFDEP_LL_EXPERTS=1, 100 checked graph replays around the units' edge (bucket 8 and 48:
+    units; 49: the count form, whose receive watches for units)."""
+    graph_replays_1a1f(dtype, bucket, tokens, LLX, 9400)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_ll_experts_sanitizer_small(dtype):
+    """Small 1A1F exchanges with AFDEP_LL_EXPERTS=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 32 and 8, the count form at 64."""
+    kw = cfg_kw("1A1F", 64, 1024, dtype)
+    run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (64, [64], "random"),
+                     (8, [1], "skewed"), (32, [0], "random")], env=LLX, seed=23)
 
 
 @pytest.mark.parametrize("env", [{}, SYM], ids=["role_aware", "symmetric"])

@@ -107,6 +107,31 @@ def test_hostile_graph_replays(layout, env):
         assert sum(s["nonfinite_out"] for s in _att(stats)) > 0
 
 
+# AFDEP_LL_EXPERTS (experimental, off by default): hostile inputs at bucket 48 (at most 2
+# tokens on each of the 24 channels), where the expert layout's dispatch goes as flagged units
+SCEN_LLX = {
+    "1A1F": [sc("bad_ids", [48], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [48], 4),
+             sc("one_expert", [33], 4), sc("no_route", [7], 2), sc("dups", [48], 4)],
+    "2A2F": [sc("bad_ids", [48, 0], 6), sc("nonfinite", [0, 48], 4),
+             sc("one_expert", [48, 31], 4), sc("no_route", [48, 0], 2),
+             sc("dups", [1, 48], 4, "int32")],
+}
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
+def test_ll_experts_hostile_graph_replays(layout):
+    """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
+    with AFDEP_LL_EXPERTS=1 at bucket 48: out-of-range ids reported on the Attention rank after
+    the replays that had them, every valid entry exact on every rank, NaN / Inf passed
+    through, tokens without a route giving zeros."""
+    scen = SCEN_LLX[layout]
+    stats = run(layout, kw(layout, cap=48), scen, seed=9, env={"AFDEP_LL_EXPERTS": "1"})
+    for s in stats:
+        assert s["checked"] == _replays(scen), s
+    for s in _att(stats):
+        assert s["route_errors"] > 0, s
+
+
 @pytest.mark.parametrize("layout,experts", [("1A1F", 128), ("2A2F", 128), ("2A2F", 8)],
                          ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip"])
 def test_graph_duplicate_ids(layout, experts):

@@ -125,7 +125,7 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
     dev = torch.device("cuda", torch.cuda.current_device())
     t = _transport(cfg, rank)
     stats = {"registered_bytes": t.registered_bytes, "union_bytes": t.union_bytes,
-             "role": cfg.role_of(rank), "errors": []}
+             "role": cfg.role_of(rank), "errors": [], "flags": t.flags}
     role, idx = cfg.role_of(rank), cfg.role_index(rank)
     # Diagnostics: a GPU-side delay (stream order kept) before the FFN's reply or before the
     # Attention's combine tells a receiver that reads too early from one that reads wrong data.

@@ -20,7 +20,8 @@ struct DispatchArgs {
   int do_send;            // this rank runs the send stage (real or dummy sender)
   int real_send;          // this rank has tokens (Attention)
   int stride;             // inbox slots per (source, channel) of this exchange: L.slots, or
-                          // ceil(bucket / S) with the token layout (L.tokens)
+                          // ceil(bucket / S) with the token layout (L.tokens) and the expert
+                          // layout's units (L.llx); dispatch_stride
   // FFN side (receiver)
   int do_recv;
   int real_recv;          // FFN: expand into the outputs below

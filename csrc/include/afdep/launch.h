@@ -11,6 +11,10 @@ namespace afdep {
 
 size_t dispatch_smem_bytes(const Layout& L);
 cudaError_t dispatch_prepare(const Layout& L);
+// The dispatch inbox's slots per (source, channel) of an exchange with this bucket (sender and
+// receiver agree): ceil(bucket / S) in the token layout, and in the expert layout when the
+// exchange goes as flagged units (F_LL_EXPERTS); else L.slots.
+int dispatch_stride(const Layout& L, int bucket);
 // grid: S for senders (and every rank of the reverted protocol), L.G for the FFN's kernels.
 cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream);
 cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream);

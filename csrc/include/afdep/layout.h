@@ -44,7 +44,10 @@ namespace afdep {
                                claims it (no slot counters, no barrier between) */            \
   X(EAGER_PLACE, 18)        /* the small token receive: warps that wait for no region header  \
                                place each row as its units land (no barrier, no second load   \
-                               latency after the header) */
+                               latency after the header) */                                   \
+  X(LL_EXPERTS, 19)         /* small buckets: the expert layout's dispatch as flagged units   \
+                               too; the FFN counts rows per (region, expert) from the         \
+                               metadata units (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
@@ -89,6 +92,9 @@ constexpr uint32_t kStreamNeeds = F_STREAM_EXPANSION | kEarlyNeeds;
 // both layouts when the bucket gives at most kLLTokens tokens per channel (Layout::llc).
 constexpr int kLLTokens = 2;
 constexpr uint32_t kLLNeeds = F_LL_SMALL | F_EARLY_LOADS | kDirectional;
+// The expert layout's dispatch units (Layout::llx): only the small kernel forms hold them (the
+// generic kernel does not), and their regions are indexed by Attention index (role buffers).
+constexpr uint32_t kLLExpertNeeds = F_LL_EXPERTS | F_SMALL_KERNELS | F_ROLE_BUFFERS | kLLNeeds;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
 // benchmarks of record)
@@ -215,6 +221,8 @@ struct Layout {
   int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
   int ll;         // 1: the dispatch's flagged units for small buckets (kLLNeeds, token layout)
   int llc;        // 1: the reply's flagged units for small buckets (kLLNeeds, either layout)
+  int llx;        // 1: the dispatch's flagged units for small buckets, expert layout
+                  // (kLLExpertNeeds); the same units and region layout as ll
   int tokens;     // 1: token-major receive layout (Config.receive_layout == "tokens"): the
                   // inbox slots of (source a, channel c) sit at stride ceil(bucket/S), indexed
                   // by Attention index, so the inbox is the FFN's [A*S*stride, H] input as is
@@ -312,10 +320,11 @@ inline void compute_offsets(Layout& L) {
     L.off_rowflag = d;  d += round_up(dslots * 8, 256);
   }
   L.ll = ((L.flags & kLLNeeds) == kLLNeeds && L.tokens) ? 1 : 0;
+  L.llx = ((L.flags & kLLExpertNeeds) == kLLExpertNeeds && !L.tokens) ? 1 : 0;
   L.off_ll = 0;
   L.ll_token_units = round_up(L.meta_ints + L.row_bytes / 4 + L.scale_cols, 2);
   L.ll_region_units = 2 + kLLTokens * L.ll_token_units;
-  if (L.ll) {
+  if (L.ll || L.llx) {
     L.off_ll = d;  d += round_up((int64_t)L.nsrc_d * L.S * L.ll_region_units * 8, 256);
   }
   L.dispatch_bytes = d - L.off_data;
