@@ -6,6 +6,7 @@
 #                                               custom: PYTEST_K selects)
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
 #      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
+#      SAN_K (the memcheck run's -k filter, default sanitizer: every test named so),
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
 #      TRACE_ALT_ENV (NAME=VALUE ...: the trace once more with these controls, trace-alt.json),
@@ -133,7 +134,7 @@ tail -25 "$OUT/tests.log"
 if [ "${SKIP_SAN:-0}" != "1" ]; then
   stamp "compute-sanitizer memcheck (small 1A1F, 1A2F; shared GPU: ${AFDEP_TEST_SHARED_GPU:-0})" | tee "$OUT/sanitizer.log"
   AFDEP_WORLD_START=spawn timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool memcheck --target-processes all \
-    --error-exitcode 9 $PY -m pytest tests/gpu -q -x -rs -p no:cacheprovider -k sanitizer \
+    --error-exitcode 9 $PY -m pytest tests/gpu -q -x -rs -p no:cacheprovider -k "${SAN_K:-sanitizer}" \
     >>"$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?" | tee -a "$OUT/sanitizer.log"
   grep -E "ERROR SUMMARY|passed|failed|error|SKIPPED" "$OUT/sanitizer.log" | tail -8
