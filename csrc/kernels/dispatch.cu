@@ -776,7 +776,7 @@ __device__ void book_region(const Layout& L, const DispatchArgs& a, int g, char*
   const int sr = L.rank_of_attn[ai];  // only the count form and the reports use it
   int *s_cnt = smem, *s_ready = s_cnt + nreg, *s_ahead = s_ready + nreg;
   const int* s_form = s_ahead + nreg;
-  const bool units = L.ll && s_form[g];
+  const bool units = (L.ll || L.llx) && s_form[g];  // (llx: the expert layout's units)
   const int count = units ? s_form[nreg + g] : blk_count(L, mine, sr, ch);
   const int word = units ? s_form[2 * nreg + g]
                          : ld_cg_i32(reinterpret_cast<const int*>(
@@ -1509,6 +1509,7 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
   // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
   // forms hold the expert layout's units, so they run with debug output on too
+  // (a launch of both roles, the last case, cannot occur with the directional controls)
   if (L.llx && llx_exchange(L, a)) return send ? kSmallSend : recv ? kUnitExpRecv : kGeneric;
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
