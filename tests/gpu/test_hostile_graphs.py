@@ -112,7 +112,8 @@ def test_hostile_graph_replays(layout, env):
 SCEN_LLX = {
     "1A1F": [sc("bad_ids", [48], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [48], 4),
              sc("one_expert", [33], 4), sc("no_route", [7], 2), sc("dups", [48], 4)],
-    "2A2F": [sc("bad_ids", [48, 0], 6), sc("nonfinite", [0, 48], 4),
+    "2A2F": [sc("bad_ids", [48, 0], 6), sc("bad_ids", [7, 48], 6, "int32"),
+             sc("nonfinite", [0, 48], 4),
              sc("one_expert", [48, 31], 4), sc("no_route", [48, 0], 2),
              sc("dups", [1, 48], 4, "int32")],
 }

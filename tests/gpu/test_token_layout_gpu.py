@@ -454,6 +454,8 @@ def _arms():
 
     arms = [("default", {})]
     for name, setting in env.CONTROLS.items():
+        if name == "AFDEP_LL_EXPERTS":  # the expert layout's dispatch only: nothing here
+            continue
         arms.append((f"{name}=0", {name: "0"}))
         if not setting.default:  # experimental controls: their path switched on too
             arms.append((f"{name}=1", {name: "1"}))
