@@ -92,6 +92,22 @@ def short_name(mangled: str) -> str:
     return f"{name}<{form}>" if form else name
 
 
+def form_names(header: Optional[str] = None) -> Dict[int, str]:
+    """KernelForm's names by value (2 -> "kSmallRecv"), read from its enum in
+    csrc/kernels/common.cuh (``header``); {} when the file or the enum is absent."""
+    header = header or os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                    "csrc", "kernels", "common.cuh")
+    try:
+        with open(header) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    body = re.search(r"enum KernelForm[^{]*\{([^}]*)\}", text)
+    if not body:
+        return {}
+    return {int(v): k for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body.group(1))}
+
+
 def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
     """Code bytes, integer divisions, and each %globaltimer read with the bytes and notable
     instructions since the previous one (the first: since the kernel's start)."""
@@ -134,7 +150,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sass", default=None, help="a saved cuobjdump -sass listing")
     p.add_argument("--resources", default=None,
                    help="a saved cuobjdump --dump-resource-usage listing (with --sass)")
-    p.add_argument("--kernel", default=None, help="only kernels whose name contains this")
+    p.add_argument("--kernel", default=None,
+                   help="only kernels whose name (with its form's, e.g. kSmallRecv) contains this")
     args = p.parse_args(argv)
     res_text = ""
     if args.resources:
@@ -157,8 +174,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     kernels = parse_sass(text)
     if not kernels:
         raise SystemExit("no kernels in the listing")
+    forms = form_names()
     for name, insns in kernels.items():
         short = short_name(name)
+        form = re.search(r"<(\d+)>$", short)
+        if form and int(form.group(1)) in forms:  # the form's name (KernelForm, common.cuh)
+            short = f"{short} {forms[int(form.group(1))]}"
         if args.kernel and args.kernel not in short:
             continue
         s = spans(insns)

@@ -97,3 +97,18 @@ def test_main_prints_registers_from_a_saved_resource_listing(tmp_path, capsys):
                         "2 %globaltimer reads, 70 registers a thread, 40 B stack")
     assert lines[-2] == ("stamp_kernel: 32 bytes of code, 0 integer divisions, "
                          "1 %globaltimer reads, 8 registers a thread, 0 B stack")
+
+
+def test_form_names_come_from_the_kernels_enum(tmp_path, capsys):
+    """The template argument is named from KernelForm (csrc/kernels/common.cuh), read at run
+    time: the listing's header line says which form a kernel is."""
+    tool = _tool()
+    names = tool.form_names()
+    assert names[0] == "kGeneric" and names[2] == "kSmallRecv" and names[7] == "kUnitExpRecv"
+    assert tool.form_names(str(tmp_path / "absent.cuh")) == {}
+    f = tmp_path / "sass.txt"
+    f.write_text(LISTING.replace("dispatch_kernelENS_6", "dispatch_kernelILi2EEEvNS_6"))
+    assert tool.main(["--sass", str(f), "--kernel", "kSmallRecv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("dispatch_kernel<2> kSmallRecv: 176 bytes of code"), out[0]
+    assert not any("stamp_kernel" in line for line in out)
