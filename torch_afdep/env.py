@@ -161,6 +161,15 @@ _CONTROLS = (
              "units and expands each row as its units land; needs AFDEP_LL_SMALL, "
              "AFDEP_SMALL_KERNELS, AFDEP_ROLE_BUFFERS, AFDEP_EARLY_LOADS and the four "
              "directional controls; 0 = the count-block path"),
+    _control("AFDEP_EARLY_COLLECT", 20, 0,
+             "experimental, off by default (written, not yet run on a GPU): the collect of "
+             "flagged reply units (AFDEP_LL_SMALL, T <= 2 x num_sms, either layout): the "
+             "warps that hold rows poll each vector's units together with their FFN rank's "
+             "start units, so a row is read in the load that sees it land, with no barrier "
+             "behind the start units; one warp per CTA still waits for every FFN rank's "
+             "reply; needs AFDEP_LL_SMALL, AFDEP_SMALL_KERNELS and the four directional "
+             "controls; 0 = every CTA waits for every FFN rank's start units, meets a "
+             "barrier, then reads the rows"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -274,6 +274,139 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
   return true;
 }
 
+// FFN index f's bucket mismatch as the collect sees it (the mismatch status and its words):
+// from its start units in s_llc when it replied in units (units), else from its reply status
+// in the inbox (the count form; read after the wait's fence).
+__device__ __forceinline__ bool reply_mismatch(const Layout& L, const char* mine,
+                                               const int* s_llc, bool units, int f, uint64_t n,
+                                               int& fb, int& sb) {
+  if (units) {
+    fb = s_llc[kMaxFfn + f];
+    sb = s_llc[2 * kMaxFfn + f];
+    return fb != 0;
+  }
+  const ReplyStatus* st = reinterpret_cast<const ReplyStatus*>(mine + L.off_reply_status) + f;
+  if (__ldcg(reinterpret_cast<const unsigned long long*>(&st->seq)) != (unsigned long long)n)
+    return false;
+  fb = __ldcg(&st->ffn_bucket);
+  sb = __ldcg(&st->sender_bucket);
+  return true;
+}
+
+// ---- F_EARLY_COLLECT: the flagged-unit collect without a barrier between wait and rows ----
+// FFN index f's reply to vector i of token t, for one lane (kEarlyCollect): the row's four
+// units and f's start units are polled together, so the row is read in the same load as it
+// is seen to have landed, instead of one load latency after a barrier behind the start units.
+// Returns 1 with x (from the units, or, when f replied in the count form, from the inbox
+// after its completion count, an acquire and a fence), 0 when f's bucket differed (it took
+// nothing from this rank: f counts as zero), -1 at the deadline (reported).
+__device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, uint64_t target,
+                              uint32_t llf, uint64_t deadline, int4& x) {
+  char* mine = own_window(L);
+  const int sr = L.rank_of_ffn[f];
+  const uint64_t* row = llc_row(L, mine, f, t) + 4 * (size_t)i;
+  const uint64_t* start = llc_start(L, mine, f);
+  const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
+  uint32_t spins = 0;
+  bool units = false;  // f's start units came, without a mismatch: only the row is awaited
+  while (true) {
+    // every load of a spin issued before any is tested: one load latency a spin, not three
+    uint64_t r0, r1, r2, r3, s0 = 0, s1 = 0, d = 0;
+    ld_ll2(row, r0, r1);
+    ld_ll2(row + 2, r2, r3);
+    if (!units) {
+      ld_ll2(start, s0, s1);
+      d = ld_ll(done);
+    }
+    if (ll_fresh(r0, llf) && ll_fresh(r1, llf) && ll_fresh(r2, llf) && ll_fresh(r3, llf)) {
+      x = make_int4((int)(uint32_t)r0, (int)(uint32_t)r1, (int)(uint32_t)r2, (int)(uint32_t)r3);
+      return 1;
+    }
+    if (!units) {
+      bool seen = ll_fresh(s0, llf) && ll_fresh(s1, llf);
+      if (!seen && d >= target && ld_acquire_sys(done) >= target) {
+        ld_ll2(start, s0, s1);  // after the acquire: the start units, if sent, are visible
+        seen = ll_fresh(s0, llf) && ll_fresh(s1, llf);
+        if (!seen) {  // the count form: the row and the status in the inbox, after a fence
+          sys_fence_after_wait();
+          int fb = 0, sb = 0;
+          if (reply_mismatch(L, mine, nullptr, false, f, n, fb, sb)) return 0;
+          const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
+          x = ld_cg_v4(reinterpret_cast<const int4*>(mine + L.off_comb) +
+                       ((size_t)(role ? f : sr) * L.C + t) * (L.H / 8) + i);
+          return 1;
+        }
+      }
+      if (seen) {
+        if ((uint32_t)s0 != 0) return 0;  // f's bucket: it took nothing from this rank
+        units = true;
+      }
+    }
+    if (ll_give_up(spins, deadline, L.err, kPhaseCombine, sr, L.rank)) return -1;
+  }
+}
+
+// The collect of kEarlyCollect (F_EARLY_COLLECT; T <= kLLTokens * S, as kSmallRecv's). Warp 0
+// of every CTA waits for every FFN rank's start units or completion count as kSmallRecv does
+// (no CTA ends before every reply of this exchange is seen: the windows' reuse rests on it)
+// and CTA 0 reports the mismatches; warps 1.. hold the rows, each lane polling its vector's
+// units with their FFN rank's start units (wait_reply_row). No barrier between the waits and
+// the rows. Returns false at the deadline (reported).
+__device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
+                              uint64_t deadline, int* s_llc) {
+  const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
+  const uint32_t llf = ll_flag(n);
+  const int nv = L.H / 8;
+  bool ok = true;
+  if (warp == 0) {
+    int counted = 0;
+    for (int f = lane; f < L.F && ok; f += 32) {
+      const int form = wait_reply_ll(L, f, target, llf, deadline, s_llc);
+      ok = form >= 0;
+      counted |= form == 0 ? 1 : 0;
+    }
+    if (!__all_sync(kFull, ok)) return false;
+    if (__any_sync(kFull, counted)) sys_fence_after_wait();  // before a reply status's loads
+    trace_mark(L, kTrWaited, kTrMaxWaited);
+    for (int f = lane; c == 0 && f < L.F; f += 32) {
+      int fb = 0, sb = 0;
+      if (reply_mismatch(L, own_window(L), s_llc, s_llc[f] == 1, f, n, fb, sb))
+        report_route(L.err, fb, kRouteBucket, L.rank_of_ffn[f], sb);
+    }
+    return true;
+  }
+  const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
+  const int4* inbox = reinterpret_cast<const int4*>(own_window(L) + L.off_comb);
+  const int src0 = role ? 0 : L.rank_of_ffn[0];
+  const int nw = gridDim.x * (kWarps - 1), gw = c * (kWarps - 1) + warp - 1;
+  const int clg = chunk_log2_fill(a.T, nw, nv), cv = (nv + (1 << clg) - 1) >> clg;
+  const uint64_t fmask = L.F < 64 ? (1ull << L.F) - 1 : ~0ull;
+  for (int u = gw; u < (a.T << clg) && ok; u += nw) {
+    const int h = u & ((1 << clg) - 1), t = u >> clg;
+    const int v0 = h * cv, v1 = min(nv, v0 + cv);
+    const uint64_t route = (uint64_t)a.route[t] & fmask;
+    // with in_place (one FFN rank) the result goes into its inbox row (the caller's view)
+    int4* dst = a.in_place ? const_cast<int4*>(inbox) + ((size_t)src0 * L.C + t) * nv
+                           : static_cast<int4*>(a.out) + (size_t)t * nv;
+    for (int i = v0 + lane; i < v1 && ok; i += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int4 one = make_int4(0, 0, 0, 0);  // F == 1: the row as is (zeros when not routed)
+      for (uint64_t m = route; m && ok; m &= m - 1) {
+        const int f = __ffsll((long long)m) - 1;
+        int4 x;
+        const int got = wait_reply_row(L, f, t, i, n, target, llf, deadline, x);
+        ok = got >= 0;
+        if (got != 1) continue;
+        if (L.F == 1) one = x;
+        else add_bf16x8(acc, x);
+      }
+      if (ok) dst[i] = L.F == 1 ? one : pack_bf16x8(acc);
+    }
+  }
+  return ok;
+}
+
 // Attention: vectors [v0, v1) of out[t] = fp32 sum over FFN ranks in route[t] of their rows;
 // FFN ranks in `bad` (their bucket differed: they took nothing from this rank) count as zero.
 // pre (one FFN rank, F_SINGLE_FFN): x0 holds this lane's vector v0 + lane of the row.
@@ -470,7 +603,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (!exit_barrier(L, kPhaseCombine, n, deadline, L.err)) return;
   }
 
-  if (!kSendOnly && a.do_recv) {
+  if (kForm == kEarlyCollect) {  // F_EARLY_COLLECT: (a collect-only form)
+    __shared__ int s_lle[3 * kMaxFfn];
+    if (!__syncthreads_and(collect_early(L, a, n, deadline, s_lle) ? 1 : 0)) return;
+  } else if (!kSendOnly && a.do_recv) {
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
     // the chunking too, so that nothing after the wait divides
@@ -545,22 +681,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int f0 = 0; f0 < L.F; f0 += 32) {
         const int f = f0 + lane;
         const bool units = ll && f < L.F && s_llc[f] == 1;
-        bool b = false;
         int fb = 0, sb = 0;
-        if (units) {
-          fb = s_llc[kMaxFfn + f];
-          sb = s_llc[2 * kMaxFfn + f];
-          b = fb != 0;
-        } else if (f < L.F) {
-          const ReplyStatus* st =
-              reinterpret_cast<const ReplyStatus*>(mine + L.off_reply_status) + f;
-          b = __ldcg(reinterpret_cast<const unsigned long long*>(&st->seq)) ==
-              (unsigned long long)n;
-          if (b) {
-            fb = __ldcg(&st->ffn_bucket);
-            sb = __ldcg(&st->sender_bucket);
-          }
-        }
+        const bool b = f < L.F && reply_mismatch(L, mine, s_llc, units, f, n, fb, sb);
         bad |= (uint64_t)__ballot_sync(kFull, b) << f0;
         umask |= (uint64_t)__ballot_sync(kFull, units) << f0;
         if (b && c == 0 && warp == 0) report_route(L.err, fb, kRouteBucket, L.rank_of_ffn[f], sb);
@@ -599,7 +721,8 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   const bool send = a.do_send && a.real_send && !a.do_recv;
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
   // the collect of either layout: flagged units (F_LL_SMALL, T <= kLLTokens * S)
-  if (recv && L.llc && a.T <= L.llc_tokens) return kSmallRecv;
+  if (recv && L.llc && a.T <= L.llc_tokens)
+    return (L.flags & F_EARLY_COLLECT) ? kEarlyCollect : kSmallRecv;
   if (L.ll) {  // token layout
     if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps &&
         !L.sized)
@@ -626,6 +749,8 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kUnitReply>, L, a, grid, 0, stream);
     case kCountRecv:
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
+    case kEarlyCollect:
+      return launch_transport_kernel(combine_kernel<kEarlyCollect>, L, a, grid, 0, stream);
     default:
       return launch_transport_kernel(combine_kernel<kGeneric>, L, a, grid, 0, stream);
   }

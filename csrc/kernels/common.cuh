@@ -23,14 +23,16 @@ constexpr int kWarps = kThreads / 32;
 // eager placement (kEagerRecv, F_EAGER_PLACE: its code kept out of kSmallRecv); the expert
 // layout's receive of flagged units (kUnitExpRecv, F_LL_EXPERTS; its sender is kSmallSend),
 // and with that control its count-block receive (kCountRecvLL: kCountRecv, each wait also
-// watching for the units of a sender whose bucket differs).
+// watching for the units of a sender whose bucket differs); the flagged-unit collect whose
+// row warps poll their units without a barrier behind the start units (kEarlyCollect,
+// F_EARLY_COLLECT: its code kept out of kSmallRecv).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv and the expert layout's kSmallSend: the generic kernel
 // has no expert-layout units, so F_LL_EXPERTS needs F_SMALL_KERNELS.
 enum KernelForm : int {
   kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4, kUnitReply = 5,
-  kEagerRecv = 6, kUnitExpRecv = 7, kCountRecvLL = 8
+  kEagerRecv = 6, kUnitExpRecv = 7, kCountRecvLL = 8, kEarlyCollect = 9
 };
 __host__ __device__ constexpr bool form_units(int f) {
   return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv;
@@ -40,7 +42,7 @@ __host__ __device__ constexpr bool form_send_only(int f) {
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kCountRecvLL;
+         f == kCountRecvLL || f == kEarlyCollect;
 }
 
 // ---- memory-model primitives -------------------------------------------------------------

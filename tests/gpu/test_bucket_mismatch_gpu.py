@@ -84,6 +84,17 @@ CASES = {
     "ll_experts": ({"AFDEP_LL_EXPERTS": "1"}, {}, EXCHANGES),
     "ll_experts_ffn_counts": ({"AFDEP_LL_EXPERTS": "1"}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_EARLY_COLLECT (experimental): the collect's lanes meet the FFN's start units with
+    # the mismatch (its bucket 4: units), or its completion count and reply status (bucket 16:
+    # the count form), in either layout
+    "early_collect_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
+                                 [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "early_collect_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
+                                [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "early_collect_experts_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, {},
+                                         [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "early_collect_experts_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, {},
+                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}

@@ -415,6 +415,46 @@ def test_ll_experts_sanitizer_small(dtype):
                      (8, [1], "skewed"), (32, [0], "random")], env=LLX, seed=23)
 
 
+# AFDEP_EARLY_COLLECT (experimental, off by default): the collect of flagged reply units
+# (T <= 2 x num_sms = 48, either layout) without a barrier between its waits and its rows
+# (kEarlyCollect): each lane polls its vector's units together with its FFN rank's start
+# units. At bucket 128 the FFN replies in the count form to a collect at T <= 48 (the lanes
+# find the completion count instead of units), at buckets 48 and 2 in units.
+EARLY_COLLECT = {"AFDEP_EARLY_COLLECT": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_early_collect_eager(layout, dtype):
+    """AFDEP_EARLY_COLLECT=1: every exchange of llx_plan exact on every rank (T 0, 1, 7 at
+    bucket 128: the count form; T up to 48 at bucket 48 and 2: units; several FFN ranks'
+    units summed in 2A2F and 1A3F), the control on in every rank's transport."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_COLLECT,
+              seed=29)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_EARLY_COLLECT"].bit, (r, hex(st["flags"]))
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
+                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
+def test_early_collect_graph_replays(dtype, bucket, tokens):
+    """AFDEP_EARLY_COLLECT=1, 100 checked graph replays around the reply units' edge (bucket 8
+    and 48: units; 49: the count form, which the lanes take from the completion count)."""
+    graph_replays_1a1f(dtype, bucket, tokens, EARLY_COLLECT, 9500)
+
+
+def test_early_collect_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_EARLY_COLLECT=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 32 and 8, the count form at 64 (T 64: the
+    default collect) and at 64 with T 7 (the early collect meets the count form)."""
+    kw = cfg_kw("1A1F", 64, 1024)
+    run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (64, [64], "random"),
+                     (64, [7], "skewed"), (8, [1], "skewed"), (32, [0], "random")],
+        env=EARLY_COLLECT, seed=31)
+
+
 @pytest.mark.parametrize("env", [{}, SYM], ids=["role_aware", "symmetric"])
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
                                           ("2A2F", "float8_e4m3fn"), ("3A1F", "bfloat16"),

@@ -107,8 +107,8 @@ def test_hostile_graph_replays(layout, env):
         assert sum(s["nonfinite_out"] for s in _att(stats)) > 0
 
 
-# AFDEP_LL_EXPERTS (experimental, off by default): hostile inputs at bucket 48 (at most 2
-# tokens on each of the 24 channels), where the expert layout's dispatch goes as flagged units
+# Hostile inputs at bucket 48 (at most 2 tokens on each of the 24 channels), where the reply
+# goes as flagged units, and so does the expert layout's dispatch with AFDEP_LL_EXPERTS
 SCEN_LLX = {
     "1A1F": [sc("bad_ids", [48], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [48], 4),
              sc("one_expert", [33], 4), sc("no_route", [7], 2), sc("dups", [48], 4)],
@@ -119,14 +119,18 @@ SCEN_LLX = {
 }
 
 
+@pytest.mark.parametrize("control", ["AFDEP_LL_EXPERTS", "AFDEP_EARLY_COLLECT"],
+                         ids=["ll_experts", "early_collect"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
-def test_ll_experts_hostile_graph_replays(layout):
+def test_units_hostile_graph_replays(layout, control):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
-    with AFDEP_LL_EXPERTS=1 at bucket 48: out-of-range ids reported on the Attention rank after
-    the replays that had them, every valid entry exact on every rank, NaN / Inf passed
-    through, tokens without a route giving zeros."""
+    at bucket 48 with an experimental control of the flagged units on: AFDEP_LL_EXPERTS (the
+    expert layout's dispatch as units) or AFDEP_EARLY_COLLECT (the collect's lanes polling
+    the reply units with the FFN ranks' start units). Out-of-range ids reported on the
+    Attention rank after the replays that had them, every valid entry exact on every rank,
+    NaN / Inf passed through, tokens without a route giving zeros."""
     scen = SCEN_LLX[layout]
-    stats = run(layout, kw(layout, cap=48), scen, seed=9, env={"AFDEP_LL_EXPERTS": "1"})
+    stats = run(layout, kw(layout, cap=48), scen, seed=9, env={control: "1"})
     for s in stats:
         assert s["checked"] == _replays(scen), s
     for s in _att(stats):

@@ -582,6 +582,18 @@ def test_token_layout_eager_place_graphs(layout, dtype_name):
     test_token_layout_graphs(layout, dtype_name, env=EAGER, cap=4, zero_copy=True)
 
 
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
+def test_token_layout_early_collect_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_EARLY_COLLECT=1 (experimental, off by
+    default): the collect's row warps poll their reply units together with the FFN ranks'
+    start units, with no barrier between (kEarlyCollect); several FFN ranks' rows summed in
+    2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F."""
+    test_token_layout_graphs(layout, dtype_name,
+                             env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=4,
+                             zero_copy=True)
+
+
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_eager_place_sized_graphs(layout, dtype_name):
@@ -643,7 +655,7 @@ def _check_small(res, dtype_name):
     assert sum(o["route_errors"] for o in res) >= 1  # the hostile replays were reported
 
 
-@pytest.mark.parametrize("arm", ["defaults", "ll_off"])
+@pytest.mark.parametrize("arm", ["defaults", "ll_off", "early_collect"])
 @pytest.mark.parametrize("layout,scenario", [("1A1F", "ffn_after_receive"),
                                              ("1A1F", "attention_before_collect"),
                                              ("2A2F", "ffn_after_receive"),
@@ -655,11 +667,14 @@ def test_token_layout_rank_killed(layout, scenario, arm, tmp_path):
     AfdepTimeoutError naming the dead peer (or, for a rank that waits for a survivor that
     gave up, a peer of the other role) and the phase, and it closes without its peers in
     < 2 s. defaults: the flagged units carry dispatch and reply (their waits spin on units);
-    ll_off: AFDEP_LL_SMALL=0, the count block and flags."""
+    ll_off: AFDEP_LL_SMALL=0, the count block and flags; early_collect: AFDEP_EARLY_COLLECT=1
+    (experimental), the collect's row warps spinning on their units with their own
+    deadline."""
     from tests.helpers import transport_bodies as hb
 
     a_n, f_n = LAYOUTS[layout]
-    env = {"AFDEP_LL_SMALL": "0"} if arm == "ll_off" else {}
+    env = {"ll_off": {"AFDEP_LL_SMALL": "0"},
+           "early_collect": {"AFDEP_EARLY_COLLECT": "1"}}.get(arm, {})
     w = hb.run_kill_world(token_kill_body, a_n + f_n, (a_n, f_n, str(tmp_path), scenario),
                           str(tmp_path), env=env)
     hb.check_kill_outcome(w, list(range(f_n)), list(range(f_n, f_n + a_n)), scenario)

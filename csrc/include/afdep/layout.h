@@ -47,7 +47,9 @@ namespace afdep {
                                latency after the header) */                                   \
   X(LL_EXPERTS, 19)         /* small buckets: the expert layout's dispatch as flagged units   \
                                too; the FFN counts rows per (region, expert) from the         \
-                               metadata units (experimental) */
+                               metadata units (experimental) */                               \
+  X(EARLY_COLLECT, 20)      /* the flagged-unit collect: row warps poll their units with the  \
+                               start units, no barrier between (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
