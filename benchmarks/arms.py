@@ -303,11 +303,20 @@ class _Cell:
                 setattr(self, name, None)
 
 
+#: What the FFN runs between receive and reply in an afdep cell: "copy" (stand_in_expert, the
+#: expert of every arm) or "none" (benchmarks.trace's diagnostic: the reply sends the cell's
+#: reply tensor as it is, so the FFN's gap is the transport kernels' own launch gap)
+STAND_INS = ("copy", "none")
+
+
 class _AfdepCell(_Cell):
-    def __init__(self, rk, cfg, cell, seed, buf, zero_copy=False):
+    def __init__(self, rk, cfg, cell, seed, buf, zero_copy=False, stand_in="copy"):
+        if stand_in not in STAND_INS:
+            raise ValueError(f"stand_in must be one of {STAND_INS}, got {stand_in!r}")
         super().__init__(rk, cfg, cell, seed)
         self.buf = buf
         self.zero_copy = bool(zero_copy) and cfg.ffn_ranks == 1
+        self.stand_in = stand_in
 
     def setup(self):
         super().setup()
@@ -324,7 +333,9 @@ class _AfdepCell(_Cell):
             self.out = buf.source_collect(zero_copy=self.zero_copy)
         else:
             rec = buf.worker_receive(self.bucket)  # Received or TokenReceived (the layout's)
-            buf.worker_reply(tx.stand_in_expert(self.reply, rec.x), rec.receipt)
+            rows = self.reply if self.stand_in == "none" else tx.stand_in_expert(self.reply,
+                                                                                 rec.x)
+            buf.worker_reply(rows, rec.receipt)
 
 
 class _NcclCell(_Cell):

@@ -2,7 +2,7 @@
 
     python -m benchmarks.trace [--tokens 1 128 2048] [--hidden 4096] [--arms afdep symmetric]
                                [--receive-layout experts|tokens] [--repeats N]
-                               [--afdep-env NAME=VALUE ...]
+                               [--afdep-env NAME=VALUE ...] [--stand-in copy|none]
 
 Runs 1A1F on two GPUs (or both ranks on one GPU under CUDA MPS when only one is visible;
 its stages then share one clock), fresh processes per arm, ``AFDEP_TRACE=1``, the same
@@ -26,6 +26,11 @@ position on its own: position 0 is the usual cold exchange after the idle gap, p
 show what the same stages cost with the kernels' code and data just used. The event latency
 then brackets all K; the start stamp's line belongs to position 0, the end stamp's to the last,
 and the outside-kernel line is left out.
+
+``--stand-in none`` drops the FFN's stand-in expert (``benchmarks.run``'s copy kernel, which
+every arm runs between receive and reply): the reply sends a fixed tensor, so "F gap: receive
+end -> reply start" is the launch gap between the transport's own kernels, and the difference
+from the default run is what the caller's one kernel adds (results not checked).
 """
 
 from __future__ import annotations
@@ -134,7 +139,8 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             cell = {"arm": spec["arm"], "layout": "1A1F", "receive_layout": rl,
                     "hidden": spec["hidden"],
                     "dtype": spec["dtype"], "routing": spec["routing"], "tokens": T}
-            c = arms._AfdepCell(rk, cfg, cell, 1000 + i, buf)
+            c = arms._AfdepCell(rk, cfg, cell, 1000 + i, buf,
+                                stand_in=spec.get("stand_in", "copy"))
             c.setup()
             for _ in range(3):
                 c.step()
@@ -281,6 +287,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="fresh process groups per arm")
     p.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
                    help="protocol controls for the afdep arm only (e.g. AFDEP_WIDE_LOCAL=0)")
+    p.add_argument("--stand-in", default="copy", choices=list(arms.STAND_INS),
+                   help="the FFN's expert between receive and reply: copy (benchmarks.run's "
+                        "stand-in) or none (the reply sends a fixed tensor; the FFN gap is "
+                        "then the transport kernels' own launch gap)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     afdep_env = common.parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
@@ -315,7 +325,8 @@ def main(argv=None) -> int:
                     "warmup": 10, "replays": args.replays,
                     "per_replay": args.exchanges_per_replay,
                     "attention_delay_us": args.attention_delay_us,
-                    "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir}
+                    "queue_ahead_us": args.queue_ahead_us, "out_dir": out_dir,
+                    "stand_in": args.stand_in}
             env = {"AFDEP_TRACE": "1"}
             env.update({"AFDEP_SYMMETRIC": "1"} if arm == "symmetric" else afdep_env)
             res, error = common.spawn(body, 2, spec, device_ids=devices, env=env, timeout=600)
@@ -326,6 +337,8 @@ def main(argv=None) -> int:
             results[arm].append(rows)
             timers.append(res[0]["globaltimer"])
             extra = f", {' '.join(args.afdep_env)}" if arm == "afdep" and args.afdep_env else ""
+            if args.stand_in != "copy":
+                extra += f", stand-in {args.stand_in}"
             t = timers[-1]
             print(f"%globaltimer: smallest step {t['step_ns']} ns ({t['steps']} steps over "
                   f"{t['span_ns']} ns, {t['reads']} reads)")

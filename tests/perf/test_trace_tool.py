@@ -3,7 +3,10 @@ suite's optional steps)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 
 from benchmarks import trace
 
@@ -147,6 +150,7 @@ def test_back_to_back_exchanges_split_by_position():
     (["--queue-ahead-us", "-1"], "--queue-ahead-us must be in [0, 10000]"),
     (["--tokens", "64", "--capacity", "32"], "--tokens must be in [1, --capacity=32]"),
     (["--tokens", "0"], "--tokens must be in [1, --capacity=max T]"),
+    (["--stand-in", "gemm"], "invalid choice: 'gemm'"),
 ])
 def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
     with pytest.raises(SystemExit):
@@ -167,3 +171,46 @@ def test_trace_runs_on_two_gpus_or_one_under_mps():
     assert trace.trace_devices(1, True) == [0, 0]  # both ranks on one GPU under MPS
     assert trace.trace_devices(1, False) is None   # time-sliced spinning kernels: refused
     assert trace.trace_devices(0, True) is None
+
+
+class _FakeBuf:
+    """The FFN half of a Buffer for _AfdepCell.step: records what the reply sent."""
+
+    def __init__(self, x):
+        self.x, self.sent = x, None
+
+    def worker_receive(self, bucket):
+        return types.SimpleNamespace(x=self.x, receipt=("receipt", bucket))
+
+    def worker_reply(self, rows, receipt):
+        self.sent = (rows, receipt)
+
+
+@pytest.mark.parametrize("stand_in", ["copy", "none"])
+def test_stand_in_between_receive_and_reply(stand_in):
+    """--stand-in: "copy" replies stand_in_expert of the received rows (every arm's expert),
+    "none" the cell's reply tensor untouched (the trace's launch-gap diagnostic)."""
+    from benchmarks import arms, torch_exchange as tx
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    reply = torch.full((6, 256), 3.0, dtype=torch.bfloat16)
+    cell = arms._AfdepCell.__new__(arms._AfdepCell)  # no world: only step's FFN half runs
+    cell.rk = types.SimpleNamespace(is_attention=False)
+    cell.buf, cell.bucket, cell.stand_in = _FakeBuf(x), 6, stand_in
+    cell.reply = reply.clone()
+    cell.step()
+    rows, receipt = cell.buf.sent
+    assert receipt == ("receipt", 6) and rows is cell.reply
+    want = reply.clone()
+    if stand_in == "copy":
+        want = tx.stand_in_expert(want, x)
+        assert not torch.equal(want, reply)  # the copy changed the rows
+    assert torch.equal(rows, want)
+
+
+def test_stand_in_rejects_unknown_names():
+    from benchmarks import arms
+
+    with pytest.raises(ValueError, match="stand_in must be one of"):
+        arms._AfdepCell(None, None, None, 0, None, stand_in="gemm")
