@@ -347,11 +347,12 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
 }
 
 // The collect of kEarlyCollect (F_EARLY_COLLECT; T <= kLLTokens * S, as kSmallRecv's). Warp 0
-// of every CTA waits for every FFN rank's start units or completion count as kSmallRecv does
-// (no CTA ends before every reply of this exchange is seen: the windows' reuse rests on it)
-// and CTA 0 reports the mismatches; warps 1.. hold the rows, each lane polling its vector's
-// units with their FFN rank's start units (wait_reply_row). No barrier between the waits and
-// the rows. Returns false at the deadline (reported).
+// of CTA 0 waits for every FFN rank's start units or completion count as kSmallRecv does (the
+// kernel cannot end before every reply of this exchange is seen: the windows' reuse rests on
+// it) and reports the mismatches; warps 1.. of every CTA hold the rows, each lane polling its
+// vector's units with their FFN rank's start units (wait_reply_row). No barrier between the
+// waits and the rows, and a CTA without rows leaves at once (at T = 1 the rows sit on CTAs 0
+// and 1: no other CTA spins). Returns false at the deadline (reported).
 __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
                               uint64_t deadline, int* s_llc) {
   const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -360,6 +361,7 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
   const int nv = L.H / 8;
   bool ok = true;
   if (warp == 0) {
+    if (c != 0) return true;
     int counted = 0;
     for (int f = lane; f < L.F && ok; f += 32) {
       const int form = wait_reply_ll(L, f, target, llf, deadline, s_llc);
@@ -369,7 +371,8 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
     if (!__all_sync(kFull, ok)) return false;
     if (__any_sync(kFull, counted)) sys_fence_after_wait();  // before a reply status's loads
     trace_mark(L, kTrWaited, kTrMaxWaited);
-    for (int f = lane; c == 0 && f < L.F; f += 32) {
+#pragma unroll 1  // one step for F <= 32
+    for (int f = lane; f < L.F; f += 32) {
       int fb = 0, sb = 0;
       if (reply_mismatch(L, own_window(L), s_llc, s_llc[f] == 1, f, n, fb, sb))
         report_route(L.err, fb, kRouteBucket, L.rank_of_ffn[f], sb);
