@@ -91,6 +91,11 @@ STAGES = [
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, LOADED), False),
     ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: _gap(ca, WAITED, cf, MAX_SENT), True),
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: _gap(ca, MAX_END, ca, WAITED), False),
+    # the collect split: CTA 0's own end (at small T it holds the rows) against the latest
+    # CTA's wait (every CTA of the default collect waits for every reply)
+    ("  A CTA0: done seen -> its end", lambda da, ca, df, cf: _gap(ca, END, ca, WAITED), False),
+    ("  A collect: CTA0 done seen -> last CTA done seen",
+     lambda da, ca, df, cf: _gap(ca, MAX_WAITED, ca, WAITED), False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),
 ]
 #: stages of the Attention stream's stamps st = (after the start event, before the end event)

@@ -24,10 +24,12 @@ def _ring(n_last, ring, stamp):
 def test_stage_medians_from_stamps():
     ring, last = 64, 200
     # Attention: dispatch start 0, first loads 0.25, claimed 1, payload written 3, sent 4, max
-    # sent 5 µs, end 6; combine start 7, waited 20, end 22.
+    # sent 5 µs, end 6; combine start 7, waited 20 (the latest CTA 20.5), CTA 0's end 21.25,
+    # the last CTA's end 22.
     att = {(0, trace.START): 0, (0, trace.LOADED): 0.25, (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
            (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
-           (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_END): 22}
+           (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_WAITED): 20.5,
+           (1, trace.END): 21.25, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006, table 1007, ready 1009, end 1012; reply
     # start 1013, first row loaded 1013.5, rows written 1016, max sent 1018.
     ffn = {(0, trace.START): 990, (0, trace.WAITED): 1006, (0, trace.TABLE): 1007,
@@ -59,6 +61,8 @@ def test_stage_medians_from_stamps():
     assert s["F expansion (ready -> last CTA end)"] == 3
     assert s["F gap: receive end -> reply start"] == 1
     assert s["A collect (done seen -> last CTA end)"] == 2
+    assert s["  A CTA0: done seen -> its end"] == 1.25
+    assert s["  A collect: CTA0 done seen -> last CTA done seen"] == 0.5
     assert s["A kernels total (dispatch start -> combine end)"] == 22
     # each crossing includes the 1000 µs clock offset, with opposite signs: their sum is the
     # true 1 µs (A -> F) + 2 µs (F -> A)
