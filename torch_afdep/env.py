@@ -166,10 +166,11 @@ _CONTROLS = (
              "flagged reply units (AFDEP_LL_SMALL, T <= 2 x num_sms, either layout): the "
              "warps that hold rows poll each vector's units together with their FFN rank's "
              "start units, so a row is read in the load that sees it land, with no barrier "
-             "behind the start units; one warp per CTA still waits for every FFN rank's "
-             "reply; needs AFDEP_LL_SMALL, AFDEP_SMALL_KERNELS and the four directional "
-             "controls; 0 = every CTA waits for every FFN rank's start units, meets a "
-             "barrier, then reads the rows"),
+             "behind the start units; one warp of CTA 0 still waits for every FFN rank's "
+             "reply and CTAs without rows leave at once; needs AFDEP_LL_SMALL, "
+             "AFDEP_EARLY_LOADS, AFDEP_SMALL_KERNELS and the four directional controls; 0 = "
+             "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
+             "the rows"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -294,21 +294,45 @@ __device__ __forceinline__ bool reply_mismatch(const Layout& L, const char* mine
 }
 
 // ---- F_EARLY_COLLECT: the flagged-unit collect without a barrier between wait and rows ----
+// What one lane of kEarlyCollect has learnt so far of each FFN index's reply (bit f), kept
+// across its vectors so that each wait and fence is paid once per FFN rank: its start units
+// came without a mismatch (units), it replied in the count form and this lane has fenced after
+// its completion count (count), or its bucket differed (bad: it took nothing from this rank).
+struct ReplySeen {
+  uint64_t units = 0, count = 0, bad = 0;
+};
+
+// Vector i of token t's row from FFN index f in the inbox (the count form; read after a fence)
+__device__ __forceinline__ int4 reply_inbox_vec(const Layout& L, const char* mine, int f, int t,
+                                                int i) {
+  const int src = (L.flags & F_ROLE_BUFFERS) ? f : L.rank_of_ffn[f];
+  return ld_cg_v4(reinterpret_cast<const int4*>(mine + L.off_comb) +
+                  ((size_t)src * L.C + t) * (L.H / 8) + i);
+}
+
 // FFN index f's reply to vector i of token t, for one lane (kEarlyCollect): the row's four
-// units and f's start units are polled together, so the row is read in the same load as it
-// is seen to have landed, instead of one load latency after a barrier behind the start units.
-// Returns 1 with x (from the units, or, when f replied in the count form, from the inbox
-// after its completion count, an acquire and a fence), 0 when f's bucket differed (it took
-// nothing from this rank: f counts as zero), -1 at the deadline (reported).
+// units, f's start units and its completion count are loaded together in each spin, so the row
+// is read by the load that sees it land, instead of one load latency after a barrier behind
+// the start units. Returns 1 with x (from the units, or, when f replied in the count form,
+// from the inbox after its completion count, an acquire and a fence), 0 when f's bucket
+// differed (f counts as zero), -1 at the deadline (reported). Fresh row units are taken before
+// the start units are seen: an FFN rank whose bucket differed booked this rank's regions empty
+// and sends it no rows.
 __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, uint64_t target,
-                              uint32_t llf, uint64_t deadline, int4& x) {
+                              uint32_t llf, uint64_t deadline, ReplySeen& seen, int4& x) {
+  const uint64_t bit = 1ull << f;
   char* mine = own_window(L);
+  if (seen.bad & bit) return 0;
+  if (seen.count & bit) {
+    x = reply_inbox_vec(L, mine, f, t, i);
+    return 1;
+  }
   const int sr = L.rank_of_ffn[f];
   const uint64_t* row = llc_row(L, mine, f, t) + 4 * (size_t)i;
   const uint64_t* start = llc_start(L, mine, f);
   const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
   uint32_t spins = 0;
-  bool units = false;  // f's start units came, without a mismatch: only the row is awaited
+  bool units = (seen.units & bit) != 0;  // only the row is awaited
   while (true) {
     // every load of a spin issued before any is tested: one load latency a spin, not three
     uint64_t r0, r1, r2, r3, s0 = 0, s1 = 0, d = 0;
@@ -323,22 +347,28 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
       return 1;
     }
     if (!units) {
-      bool seen = ll_fresh(s0, llf) && ll_fresh(s1, llf);
-      if (!seen && d >= target && ld_acquire_sys(done) >= target) {
+      bool fresh = ll_fresh(s0, llf) && ll_fresh(s1, llf);
+      if (!fresh && d >= target && ld_acquire_sys(done) >= target) {
         ld_ll2(start, s0, s1);  // after the acquire: the start units, if sent, are visible
-        seen = ll_fresh(s0, llf) && ll_fresh(s1, llf);
-        if (!seen) {  // the count form: the row and the status in the inbox, after a fence
+        fresh = ll_fresh(s0, llf) && ll_fresh(s1, llf);
+        if (!fresh) {  // the count form: the row and the status in the inbox, after a fence
           sys_fence_after_wait();
           int fb = 0, sb = 0;
-          if (reply_mismatch(L, mine, nullptr, false, f, n, fb, sb)) return 0;
-          const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
-          x = ld_cg_v4(reinterpret_cast<const int4*>(mine + L.off_comb) +
-                       ((size_t)(role ? f : sr) * L.C + t) * (L.H / 8) + i);
+          if (reply_mismatch(L, mine, nullptr, false, f, n, fb, sb)) {
+            seen.bad |= bit;
+            return 0;
+          }
+          seen.count |= bit;
+          x = reply_inbox_vec(L, mine, f, t, i);
           return 1;
         }
       }
-      if (seen) {
-        if ((uint32_t)s0 != 0) return 0;  // f's bucket: it took nothing from this rank
+      if (fresh) {
+        if ((uint32_t)s0 != 0) {  // f's bucket differed
+          seen.bad |= bit;
+          return 0;
+        }
+        seen.units |= bit;
         units = true;
       }
     }
@@ -385,6 +415,7 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
   const int nw = gridDim.x * (kWarps - 1), gw = c * (kWarps - 1) + warp - 1;
   const int clg = chunk_log2_fill(a.T, nw, nv), cv = (nv + (1 << clg) - 1) >> clg;
   const uint64_t fmask = L.F < 64 ? (1ull << L.F) - 1 : ~0ull;
+  ReplySeen seen;
   for (int u = gw; u < (a.T << clg) && ok; u += nw) {
     const int h = u & ((1 << clg) - 1), t = u >> clg;
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
@@ -398,7 +429,7 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
       for (uint64_t m = route; m && ok; m &= m - 1) {
         const int f = __ffsll((long long)m) - 1;
         int4 x;
-        const int got = wait_reply_row(L, f, t, i, n, target, llf, deadline, x);
+        const int got = wait_reply_row(L, f, t, i, n, target, llf, deadline, seen, x);
         ok = got >= 0;
         if (got != 1) continue;
         if (L.F == 1) one = x;

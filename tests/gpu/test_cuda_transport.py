@@ -433,8 +433,10 @@ def test_early_collect_eager(layout, dtype):
     A = LAYOUTS[layout][1]
     res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_COLLECT,
               seed=29)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_EARLY_COLLECT"].bit, (r, hex(st["flags"]))
+    needs = ("AFDEP_EARLY_COLLECT", "AFDEP_LL_SMALL", "AFDEP_SMALL_KERNELS", "AFDEP_EARLY_LOADS")
+    for r, st in enumerate(res):  # the control and what kEarlyCollect needs reached every rank
+        for name in needs:
+            assert st["flags"] & controls.CONTROLS[name].bit, (r, name, hex(st["flags"]))
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,

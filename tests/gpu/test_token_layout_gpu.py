@@ -582,15 +582,22 @@ def test_token_layout_eager_place_graphs(layout, dtype_name):
     test_token_layout_graphs(layout, dtype_name, env=EAGER, cap=4, zero_copy=True)
 
 
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
-def test_token_layout_early_collect_graphs(layout, dtype_name):
+@pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
+                                                   ("2A2F", "float8_e4m3fn", 4),
+                                                   ("3A1F", "bfloat16", 4),
+                                                   ("1A3F", "bfloat16", 4),
+                                                   ("3A1F", "bfloat16", CAP)],
+                         ids=["1A1F", "2A2F", "3A1F", "1A3F", "3A1F-count-form"])
+def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
     """test_token_layout_ll_small_graphs with AFDEP_EARLY_COLLECT=1 (experimental, off by
     default): the collect's row warps poll their reply units together with the FFN ranks'
     start units, with no barrier between (kEarlyCollect); several FFN ranks' rows summed in
-    2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F."""
+    2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F. At
+    bucket CAP the FFN replies in the count form, and the third Attention rank's graph (T = 3
+    <= 2 x SMS) still runs kEarlyCollect: its lanes find the completion count, fence and read
+    the inbox rows that its zero-copy view returns (as the eager plan's T = 1 exchanges do)."""
     test_token_layout_graphs(layout, dtype_name,
-                             env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=4,
+                             env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=cap,
                              zero_copy=True)
 
 
