@@ -381,8 +381,9 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
 // kernel cannot end before every reply of this exchange is seen: the windows' reuse rests on
 // it) and reports the mismatches; warps 1.. of every CTA hold the rows, each lane polling its
 // vector's units with their FFN rank's start units (wait_reply_row). No barrier between the
-// waits and the rows, and a CTA without rows leaves at once (at T = 1 the rows sit on CTAs 0
-// and 1: no other CTA spins). Returns false at the deadline (reported).
+// waits and the rows, and a CTA without rows leaves at once (at T = 1 and H 4096-7168 the
+// row's 16 chunks sit on CTAs 0 and 1: no other CTA spins). Returns false at the deadline
+// (reported).
 __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
                               uint64_t deadline, int* s_llc) {
   const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -433,8 +433,10 @@ def test_early_collect_eager(layout, dtype):
     A = LAYOUTS[layout][1]
     res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_COLLECT,
               seed=29)
-    needs = ("AFDEP_EARLY_COLLECT", "AFDEP_LL_SMALL", "AFDEP_SMALL_KERNELS", "AFDEP_EARLY_LOADS")
-    for r, st in enumerate(res):  # the control and what kEarlyCollect needs reached every rank
+    needs = ("AFDEP_EARLY_COLLECT", "AFDEP_LL_SMALL", "AFDEP_SMALL_KERNELS", "AFDEP_EARLY_LOADS",
+             "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS", "AFDEP_RECEIVER_WAIT_ONLY",
+             "AFDEP_ROLE_WARPS")
+    for r, st in enumerate(res):  # the control and the controls kEarlyCollect needs, on every rank
         for name in needs:
             assert st["flags"] & controls.CONTROLS[name].bit, (r, name, hex(st["flags"]))
 
