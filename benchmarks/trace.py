@@ -48,9 +48,9 @@ from benchmarks import arms, common
 from torch_afdep import mps
 
 # trace points (csrc/include/afdep/layout.h TracePoint)
-POINTS = 13
+POINTS = 14
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
- TABLE, LOADED) = range(POINTS)
+ TABLE, LOADED, MASKED) = range(POINTS)
 D, C = 0, 1  # phases
 
 def _gap(a, i: int, b, j: int) -> Optional[int]:
@@ -69,6 +69,12 @@ STAGES = [
      lambda da, ca, df, cf: _gap(da, LOADED, da, START), False),
     ("    A CTA0: first loads arrived -> tokens claimed",
      lambda da, ca, df, cf: _gap(da, CLAIMED, da, LOADED), False),
+    # thread 0's (last) token: its route mask (id checks, duplicates matched), then its slot
+    # and metadata stores
+    ("      A CTA0: first loads arrived -> route mask known",
+     lambda da, ca, df, cf: _gap(da, MASKED, da, LOADED), False),
+    ("      A CTA0: route mask known -> tokens claimed",
+     lambda da, ca, df, cf: _gap(da, CLAIMED, da, MASKED), False),
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),

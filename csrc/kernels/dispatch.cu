@@ -102,6 +102,9 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   valid = valid && (same & lanemask_lt()) == 0;
   const int f = valid ? fast_div(e32, L.div_El) : -1;
   uint64_t mask = ffn_bits(valid, f);
+  // traced only: a branch on the mask waits for it (taken unless every one of 64 FFN ranks is
+  // reached), splitting the claim into the route's computation and the stores that follow
+  if (L.trace != nullptr && !count_only && mask != ~0ull) trace_mark(L, kTrMasked, -1);
   if (!count_only) {
     if (lane == 0) a.route[t] = (int64_t)mask;
 #pragma unroll 1  // one step for F <= 32; unrolled, 1.2 KB of code in front of every claim

@@ -23,10 +23,11 @@ def _ring(n_last, ring, stamp):
 
 def test_stage_medians_from_stamps():
     ring, last = 64, 200
-    # Attention: dispatch start 0, first loads 0.25, claimed 1, payload written 3, sent 4, max
-    # sent 5 µs, end 6; combine start 7, waited 20 (the latest CTA 20.5), CTA 0's end 21.25,
-    # the last CTA's end 22.
-    att = {(0, trace.START): 0, (0, trace.LOADED): 0.25, (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
+    # Attention: dispatch start 0, first loads 0.25, route mask 0.5, claimed 1, payload
+    # written 3, sent 4, max sent 5 µs, end 6; combine start 7, waited 20 (the latest CTA
+    # 20.5), CTA 0's end 21.25, the last CTA's end 22.
+    att = {(0, trace.START): 0, (0, trace.LOADED): 0.25, (0, trace.MASKED): 0.5,
+           (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
            (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
            (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_WAITED): 20.5,
            (1, trace.END): 21.25, (1, trace.MAX_END): 22}
@@ -50,6 +51,8 @@ def test_stage_medians_from_stamps():
     assert s["  A CTA0: start -> tokens claimed"] == 1
     assert s["    A CTA0: start -> first loads arrived"] == 0.25
     assert s["    A CTA0: first loads arrived -> tokens claimed"] == 0.75
+    assert s["      A CTA0: first loads arrived -> route mask known"] == 0.25
+    assert s["      A CTA0: route mask known -> tokens claimed"] == 0.5
     assert s["  A CTA0: claimed -> payload written"] == 2
     assert s["  A CTA0: payload written -> counts signalled"] == 1
     assert s["  F CTA0: counts seen -> count table loaded"] == 1

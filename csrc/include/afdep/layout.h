@@ -115,7 +115,7 @@ enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 // memory and writes them when it ends (kernels/common.cuh trace_flush); a point a launch
 // never reached is not written.
 constexpr int kTraceRing = 64;
-constexpr int kTracePts = 13;
+constexpr int kTracePts = 14;
 enum TracePoint : int {
   kTrStart = 0,    // kernel start (CTA 0)
   kTrSent = 1,     // send stage done, signals written (CTA 0)
@@ -132,6 +132,8 @@ enum TracePoint : int {
   kTrLoaded = 12,  // thread 0's first loads arrived (CTA 0): dispatch sender, its token's
                    // expert id (F_EARLY_LOADS) and the exchange number; FFN reply
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector
+  kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
+                   // checked, duplicates matched), before its slot and metadata stores (CTA 0)
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
