@@ -86,6 +86,11 @@ STAGES = [
     ("  F CTA0: counts seen -> count table loaded",
      lambda da, ca, df, cf: _gap(df, TABLE, df, WAITED), False),
     ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: _gap(df, MAX_END, df, READY), False),
+    # CTA 0's own end against the latest CTA's wait (every CTA of the receive waits for the
+    # headers or counts; the placement is spread over the grid)
+    ("  F CTA0: ready -> its end", lambda da, ca, df, cf: _gap(df, END, df, READY), False),
+    ("  F receive: CTA0 counts seen -> last CTA counts seen",
+     lambda da, ca, df, cf: _gap(df, MAX_WAITED, df, WAITED), False),
     ("F gap: receive end -> reply start", lambda da, ca, df, cf: _gap(cf, START, df, MAX_END), False),
     ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: _gap(cf, MAX_SENT, cf, START), False),
     ("  F CTA0: start -> reduced rows written",
