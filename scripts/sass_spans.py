@@ -93,19 +93,19 @@ def short_name(mangled: str) -> str:
 
 
 def form_names(header: Optional[str] = None) -> Dict[int, str]:
-    """KernelForm's names by value (2 -> "kSmallRecv"), read from its enum in
-    csrc/kernels/common.cuh (``header``); {} when the file or the enum is absent."""
+    """KernelForm's names by value (2 -> "kSmallRecv"), read from its list AFDEP_KERNEL_FORMS
+    in csrc/include/afdep/forms.h (``header``); {} when the file or the list is absent."""
     header = header or os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                    "csrc", "kernels", "common.cuh")
+                                    "csrc", "include", "afdep", "forms.h")
     try:
         with open(header) as f:
             text = f.read()
     except OSError:
         return {}
-    body = re.search(r"enum KernelForm[^{]*\{([^}]*)\}", text)
+    body = re.search(r"#define AFDEP_KERNEL_FORMS\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
     if not body:
         return {}
-    return {int(v): k for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body.group(1))}
+    return {int(v): k for k, v in re.findall(r"X\((k\w+),\s*(\d+)\)", body.group(1))}
 
 
 def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
@@ -178,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name, insns in kernels.items():
         short = short_name(name)
         form = re.search(r"<(\d+)>$", short)
-        if form and int(form.group(1)) in forms:  # the form's name (KernelForm, common.cuh)
+        if form and int(form.group(1)) in forms:  # the form's name (KernelForm, afdep/forms.h)
             short = f"{short} {forms[int(form.group(1))]}"
         if args.kernel and args.kernel not in short:
             continue

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "afdep/comm.h"
+#include "afdep/forms.h"
 #include "afdep/launch.h"
 
 namespace py = pybind11;
@@ -26,6 +27,14 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("ALL_ROLE_AWARE") = static_cast<int>(afdep::kAllRoleAware);
   m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
   m.attr("ROUTE_BUCKET_MISMATCH") = static_cast<int>(afdep::kRouteBucket);
+
+  // Every kernel form's value by name (forms.h's one list, AFDEP_KERNEL_FORMS): what
+  // Comm.last_forms() reports
+  py::dict kernel_forms;
+#define AFDEP_FORM_EXPORT(name, value) kernel_forms[#name] = static_cast<int>(afdep::name);
+  AFDEP_KERNEL_FORMS(AFDEP_FORM_EXPORT)
+#undef AFDEP_FORM_EXPORT
+  m.attr("KERNEL_FORMS") = kernel_forms;
 
   m.attr("TRACE_RING") = afdep::kTraceRing;
   m.attr("TRACE_POINTS") = afdep::kTracePts;
@@ -137,6 +146,7 @@ PYBIND11_MODULE(_cuda, m) {
            },
            py::arg("clear") = true)
       .def("trace", &Comm::trace)
+      .def("last_forms", &Comm::last_forms)
       .def_property_readonly("transport_name", &Comm::transport_name)
       .def("close", &Comm::close, py::arg("clean") = true);
 }

@@ -217,7 +217,8 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   need(bucket >= 1 || !L_.tokens, "the token layout needs a declared bucket");
   need(bucket >= 1 || !L_.llx, "AFDEP_LL_EXPERTS needs a declared bucket");
   a.stride = dispatch_stride(L_, bucket);
-  check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream)), "launch dispatch");
+  check(launch_dispatch(L_, a, L_.S, reinterpret_cast<cudaStream_t>(stream), &last_form_[0]),
+        "launch dispatch");
 }
 
 void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, uint64_t offsets,
@@ -247,7 +248,8 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   a.out_token_index = reinterpret_cast<int*>(token_index);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
   check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
-                        reinterpret_cast<cudaStream_t>(stream)), "launch receive");
+                        reinterpret_cast<cudaStream_t>(stream), &last_form_[0]),
+        "launch receive");
   reply_due_ = true;
 }
 
@@ -270,7 +272,8 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
   check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
-                       reinterpret_cast<cudaStream_t>(stream)), "launch reply");
+                       reinterpret_cast<cudaStream_t>(stream), &last_form_[1]),
+        "launch reply");
   reply_due_ = false;
 }
 
@@ -296,7 +299,8 @@ void Comm::receive_tokens(int bucket, uint64_t expert_ids, uint64_t weights, uin
   a.out_src_token = reinterpret_cast<int*>(src_token);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
   check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
-                        reinterpret_cast<cudaStream_t>(stream)), "launch receive_tokens");
+                        reinterpret_cast<cudaStream_t>(stream), &last_form_[0]),
+        "launch receive_tokens");
   reply_due_ = true;
 }
 
@@ -320,7 +324,8 @@ void Comm::reply_tokens(int bucket, uint64_t rows, uint64_t src_token, uint64_t 
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
   check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
-                       reinterpret_cast<cudaStream_t>(stream)), "launch reply_tokens");
+                       reinterpret_cast<cudaStream_t>(stream), &last_form_[1]),
+        "launch reply_tokens");
   reply_due_ = false;
 }
 
@@ -356,7 +361,8 @@ void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, ui
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
   a.in_place = in_place ? 1 : 0;
-  check(launch_combine(L_, a, local_grid(T, L_.Ga), reinterpret_cast<cudaStream_t>(stream)),
+  check(launch_combine(L_, a, local_grid(T, L_.Ga), reinterpret_cast<cudaStream_t>(stream),
+                       &last_form_[1]),
         "launch combine");
 }
 

@@ -772,8 +772,11 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   return recv ? kCountRecv : kGeneric;
 }
 
-cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream) {
-  switch (combine_form(L, a, grid)) {
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream,
+                           int* form) {
+  const int f = combine_form(L, a, grid);
+  if (form != nullptr) *form = f;
+  switch (f) {
     case kSmallSend:
       return launch_transport_kernel(combine_kernel<kSmallSend>, L, a, grid, 0, stream);
     case kSmallRecv:

@@ -9,41 +9,12 @@
 
 #include "afdep/layout.h"
 #include "afdep/args.h"
+#include "afdep/forms.h"
 
 namespace afdep {
 
 constexpr int kThreads = 512;  // threads per transport CTA (16 warps)
 constexpr int kWarps = kThreads / 32;
-// Which code a transport kernel is compiled for (its template argument, F_SMALL_KERNELS): every
-// path (kGeneric); the token layout's flagged-unit path (F_LL_SMALL) of a sender or a receiver
-// (kSmallSend, kSmallRecv); or the expert layout's count-block path of one role with few
-// tokens per channel: no fused, streamed or early-count copy (kCountSend, kCountRecv); or the
-// expert layout's one-pass reply with its rows as flagged units (kUnitReply; the collect of
-// either layout takes them in kSmallRecv); the token layout's flagged-unit receive with the
-// eager placement (kEagerRecv, F_EAGER_PLACE: its code kept out of kSmallRecv); the expert
-// layout's receive of flagged units (kUnitExpRecv, F_LL_EXPERTS; its sender is kSmallSend),
-// and with that control its count-block receive (kCountRecvLL: kCountRecv, each wait also
-// watching for the units of a sender whose bucket differs); the flagged-unit collect whose
-// row warps poll their units without a barrier behind the start units (kEarlyCollect,
-// F_EARLY_COLLECT: its code kept out of kSmallRecv).
-// All small forms assume the four directional controls. A launch takes a small form only
-// where the generic kernel would take that path too (the host's dispatch_form /
-// combine_form), except kUnitExpRecv and the expert layout's kSmallSend: the generic kernel
-// has no expert-layout units, so F_LL_EXPERTS needs F_SMALL_KERNELS.
-enum KernelForm : int {
-  kGeneric = 0, kSmallSend = 1, kSmallRecv = 2, kCountSend = 3, kCountRecv = 4, kUnitReply = 5,
-  kEagerRecv = 6, kUnitExpRecv = 7, kCountRecvLL = 8, kEarlyCollect = 9
-};
-__host__ __device__ constexpr bool form_units(int f) {
-  return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv;
-}
-__host__ __device__ constexpr bool form_send_only(int f) {
-  return f == kSmallSend || f == kCountSend || f == kUnitReply;
-}
-__host__ __device__ constexpr bool form_recv_only(int f) {
-  return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kCountRecvLL || f == kEarlyCollect;
-}
 
 // ---- memory-model primitives -------------------------------------------------------------
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {

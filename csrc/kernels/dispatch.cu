@@ -1546,9 +1546,12 @@ cudaError_t dispatch_prepare(const Layout& L) {
   return e;
 }
 
-cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream) {
+cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream,
+                            int* form) {
   const size_t smem = dispatch_smem_bytes(L);
-  switch (dispatch_form(L, a)) {
+  const int f = dispatch_form(L, a);
+  if (form != nullptr) *form = f;
+  switch (f) {
     case kSmallSend:
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
     case kSmallRecv:

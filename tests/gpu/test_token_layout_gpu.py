@@ -229,9 +229,19 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_c
     bucket = cap
     with ta.Buffer(None, cfg, device=dev) as buf:
         out["flags"] = getattr(buf.transport, "flags", None)  # the controls the kernels got
+        out["forms"] = [set(), set()]  # the kernel forms each phase's launches ran
+        out["role"] = buf.role
+
+        def note_forms():
+            forms = getattr(buf.transport, "last_forms", None)  # the CUDA transport's
+            if forms is not None:
+                out["forms"][0].add(forms[0])
+                out["forms"][1].add(forms[1])
+
         for step, tokens in enumerate(eager_plan(cap)):
             inputs = [_inputs(cfg, a, tokens[a % len(tokens)], 10 + step) for a in range(a_n)]
             _eager_exchange(buf, cfg, inputs, bucket, out, f"eager {step}")
+            note_forms()
         dist.barrier()
 
         # one exchange per rank in a CUDA graph
@@ -268,6 +278,7 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_c
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 res = step()
+            note_forms()  # the forms every replay runs
         devices.sync(dev)
         dist.barrier()
         for i in range(replays):
@@ -509,7 +520,10 @@ def test_token_layout_controls(layout, dtype_name):
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False):
+def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
+                             attention_form=None):
+    """attention_form: a kernel form (forms.h) that some collect of every Attention rank must
+    have run (the test of a path then cannot pass on another)."""
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
                                   cap, zero_copy, env=env, timeout=240)
@@ -526,6 +540,8 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
         bad = [(tag, e) for tag, e in out["errors"] if not e < tol]
         assert not bad, (r, bad[:5])
         assert out["replays"] == REPLAYS, (r, out["replays"])
+        if attention_form is not None and out["role"] == "attention":
+            assert attention_form in out["forms"][1], (r, out["forms"])
         routes += out["route_errors"]
     ffn = [o for o in res if o["views"]]
     assert len(ffn) == f_n
@@ -599,7 +615,7 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
     meet the count form too, collected into a copy)."""
     test_token_layout_graphs(layout, dtype_name,
                              env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=cap,
-                             zero_copy=True)
+                             zero_copy=True, attention_form="kEarlyCollect")
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

@@ -124,8 +124,10 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
     cfg = make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
     t = _transport(cfg, rank)
+    # "forms": the kernel forms this rank's launches ran, per phase (0: dispatch or receive,
+    # 1: reply or collect), so that a test of a path can assert that its form ran
     stats = {"registered_bytes": t.registered_bytes, "union_bytes": t.union_bytes,
-             "role": cfg.role_of(rank), "errors": [], "flags": t.flags}
+             "role": cfg.role_of(rank), "errors": [], "flags": t.flags, "forms": [set(), set()]}
     role, idx = cfg.role_of(rank), cfg.role_index(rank)
     # Diagnostics: a GPU-side delay (stream order kept) before the FFN's reply or before the
     # Attention's combine tells a receiver that reads too early from one that reads wrong data.
@@ -147,7 +149,9 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
                                 o.weights, o.offsets)
                 if delay_reply:
                     torch.cuda._sleep(delay_reply)
+                stats["forms"][0].add(t.last_forms[0])
                 t.reply(rows, o.token_rows, o.token_index, o.num_tokens)
+                stats["forms"][1].add(t.last_forms[1])
                 torch.cuda.synchronize()
                 t.check_error()
                 check_ffn(cfg, idx, o, inputs)
@@ -164,6 +168,7 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
                 if delay_dispatch:
                     torch.cuda._sleep(delay_dispatch)
                 t.dispatch(xd, idd, wd, scd, bucket, route)
+                stats["forms"][0].add(t.last_forms[0])
                 if delay_combine:
                     torch.cuda._sleep(delay_combine)
                 if view:
@@ -171,6 +176,7 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
                     view_out = t._view  # the whole [C, H] buffer, poisoned next time
                 else:
                     t.combine(route, out)
+                stats["forms"][1].add(t.last_forms[1])
                 torch.cuda.synchronize()
                 try:
                     t.check_error()

@@ -100,11 +100,17 @@ def test_main_prints_registers_from_a_saved_resource_listing(tmp_path, capsys):
 
 
 def test_form_names_come_from_the_kernels_enum(tmp_path, capsys):
-    """The template argument is named from KernelForm (csrc/kernels/common.cuh), read at run
+    """The template argument is named from KernelForm (csrc/include/afdep/forms.h), read at run
     time: the listing's header line says which form a kernel is."""
     tool = _tool()
     names = tool.form_names()
     assert names[0] == "kGeneric" and names[2] == "kSmallRecv" and names[7] == "kUnitExpRecv"
+    try:  # the extension exports the same list (what the transports' last_forms report)
+        from torch_afdep import _cuda
+    except ImportError:
+        _cuda = None
+    if _cuda is not None:
+        assert names == {v: k for k, v in _cuda.KERNEL_FORMS.items()}
     assert tool.form_names(str(tmp_path / "absent.cuh")) == {}
     f = tmp_path / "sass.txt"
     f.write_text(LISTING.replace("dispatch_kernelENS_6", "dispatch_kernelILi2EEEvNS_6"))

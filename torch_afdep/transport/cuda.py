@@ -9,7 +9,7 @@ The protocol is described in docs/protocol.md; its controls in torch_afdep/env.p
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -194,6 +194,18 @@ class CudaTransport(Transport):
     @property
     def signal_bytes(self) -> int:
         return int(self._comm.signal_bytes)
+
+    # ---- diagnostics ----------------------------------------------------------------------
+    @property
+    def last_forms(self) -> Tuple[Optional[str], Optional[str]]:
+        """The kernel forms (csrc/include/afdep/forms.h, e.g. "kSmallRecv") of this rank's
+        last launch of each phase: (dispatch or receive, reply or collect); None before the
+        first. Chosen per launch on the host (from the controls, the bucket and T), recorded
+        when the launch is made (also while a CUDA graph is captured)."""
+        from .. import _cuda
+
+        names = {v: k for k, v in _cuda.KERNEL_FORMS.items()}
+        return tuple(names.get(f) for f in self._comm.last_forms())
 
     # ---- Attention --------------------------------------------------------------------
     def dispatch(self, x, expert_ids, weights, x_scales, bucket, route) -> None:

@@ -97,6 +97,10 @@ class Comm {
   // clean: every peer reached close (collective teardown allowed); else local only.
   void close(bool clean = true);
   const char* transport_name() const { return transport_ ? transport_->name() : "none"; }
+  // The KernelForm (afdep/forms.h) of this rank's last launch of each phase: (dispatch or
+  // receive, reply or collect); -1 before the first. For tests and diagnostics: a form is
+  // chosen per launch, on the host, from the flags, the bucket and T.
+  std::pair<int, int> last_forms() const { return {last_form_[0], last_form_[1]}; }
 
  private:
   void launch_collect(uint64_t route, uint64_t out, int T, bool in_place, uint64_t stream);
@@ -113,6 +117,7 @@ class Comm {
   void* trace_ = nullptr;
   bool opened_ = false, closed_ = false;
   bool reply_due_ = false;  // FFN: a receive was launched and its reply not yet
+  int last_form_[2] = {-1, -1};  // last_forms()
   int ffn_rank0_ = -1;  // group rank of the first FFN rank (the union layout's view source)
   std::vector<int> is_ffn_;  // role of every group rank (F_PARAM_BASES: role indices)
 };

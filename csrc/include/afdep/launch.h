@@ -16,8 +16,11 @@ cudaError_t dispatch_prepare(const Layout& L);
 // exchange goes as flagged units (F_LL_EXPERTS); else L.slots.
 int dispatch_stride(const Layout& L, int bucket);
 // grid: S for senders (and every rank of the reverted protocol), L.G for the FFN's kernels.
-cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream);
-cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream);
+// form (optional): the KernelForm (afdep/forms.h) the launch ran.
+cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream,
+                            int* form = nullptr);
+cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream,
+                           int* form = nullptr);
 // Flag ping-pong with group rank `peer` (both sides call it with the same iters and base).
 cudaError_t launch_ping(const Layout& L, int peer, int iters, uint64_t base, int initiator,
                         cudaStream_t stream);
