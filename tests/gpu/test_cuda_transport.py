@@ -99,16 +99,26 @@ CASES = [
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
 def test_eager_role_aware(layout, cap, hidden, dtype):
+    """The defaults: the plan's exchanges (T 0 ... bucket, and bucket 8) exact on every rank,
+    on the small kernel forms where T is small: every Attention rank's collects at T <= 48
+    take the flagged units (kSmallRecv), every FFN rank's reply at bucket 8 sends them
+    (kUnitReply)."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap))
     assert all(s["registered_bytes"] <= s["union_bytes"] for s in stats)
+    for r, s in enumerate(stats):
+        want = "kSmallRecv" if s["role"] == "attention" else "kUnitReply"
+        assert want in s["forms"][1], (r, s["role"], s["forms"])
 
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
 def test_eager_symmetric(layout, cap, hidden, dtype):
+    """AFDEP_SYMMETRIC=1: every control reverted, the union layout, the generic kernels."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=SYM)
     assert all(s["registered_bytes"] == s["union_bytes"] for s in stats)
+    assert all(s["forms"] == [{"kGeneric"}, {"kGeneric"}] for s in stats), \
+        [s["forms"] for s in stats]
 
 
 @pytest.mark.parametrize("delay,env", [
@@ -220,8 +230,10 @@ def test_small_kernels_reverted_eager(layout, cap, hidden, dtype):
     kernel forms and the larger ones the generic kernels, in one sequence
     (test_eager_role_aware); here every exchange runs the generic kernels."""
     kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env={"AFDEP_SMALL_KERNELS": "0"},
-        seed=11)
+    stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap),
+                env={"AFDEP_SMALL_KERNELS": "0"}, seed=11)
+    assert all(s["forms"] == [{"kGeneric"}, {"kGeneric"}] for s in stats), \
+        [s["forms"] for s in stats]
 
 
 # the eager cases and graph cells that the small-batch controls' tests share
