@@ -491,7 +491,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
-// kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see combine_form)
+// kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
 template <int kForm>

@@ -1246,7 +1246,7 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
   trace_mark(L, kTrSent, kTrMaxSent);
 }
 
-// kForm (KernelForm, common.cuh): kGeneric runs every path; the small forms (see
+// kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {

@@ -101,14 +101,18 @@ CASES = [
 def test_eager_role_aware(layout, cap, hidden, dtype):
     """The defaults: the plan's exchanges (T 0 ... bucket, and bucket 8) exact on every rank,
     on the small kernel forms where T is small: every Attention rank's collects at T <= 48
-    take the flagged units (kSmallRecv), every FFN rank's reply at bucket 8 sends them
-    (kUnitReply)."""
+    take the flagged units (kSmallRecv; kEarlyCollect when AFDEP_EARLY_COLLECT is exported
+    for the suite), every FFN rank's reply at bucket 8 sends them (kUnitReply; the sized
+    grid, when exported, keeps the reply generic)."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap))
     assert all(s["registered_bytes"] <= s["union_bytes"] for s in stats)
+    sized = controls.CONTROLS["AFDEP_SIZED_GRID"].bit
     for r, s in enumerate(stats):
-        want = "kSmallRecv" if s["role"] == "attention" else "kUnitReply"
-        assert want in s["forms"][1], (r, s["role"], s["forms"])
+        if s["role"] == "attention":
+            assert s["forms"][1] & {"kSmallRecv", "kEarlyCollect"}, (r, s["forms"])
+        elif not s["flags"] & sized:
+            assert "kUnitReply" in s["forms"][1], (r, s["forms"])
 
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
@@ -226,9 +230,10 @@ def test_pdl_reverted_eager(layout, cap, hidden, dtype):
                                                     ("3A1F", 128, 2048, "float8_e4m3fn")])
 def test_small_kernels_reverted_eager(layout, cap, hidden, dtype):
     """AFDEP_SMALL_KERNELS=0: the generic kernels on every path. With the default the plan's
-    small-T exchanges (and bucket 128 at hidden 2,048) run the expert layout's count-block
-    kernel forms and the larger ones the generic kernels, in one sequence
-    (test_eager_role_aware); here every exchange runs the generic kernels."""
+    small-T exchanges (and bucket 128 at hidden 2,048) run the small forms (the count-block
+    dispatch and receive, the reply's units, the collect's units) and the larger ones the
+    generic kernels, in one sequence (test_eager_role_aware); here every exchange runs the
+    generic kernels."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap),
                 env={"AFDEP_SMALL_KERNELS": "0"}, seed=11)
