@@ -336,6 +336,11 @@ class _AfdepCell(_Cell):
             rows = self.reply if self.stand_in == "none" else tx.stand_in_expert(self.reply,
                                                                                  rec.x)
             buf.worker_reply(rows, rec.receipt)
+        # the kernel forms this rank's launches ran (the CUDA transport's; the last step is the
+        # one the graph captured): [dispatch or receive, collect or reply]
+        forms = getattr(buf.transport, "last_forms", None)
+        if forms is not None:
+            self.extra["kernel_forms"] = list(forms)
 
 
 class _NcclCell(_Cell):

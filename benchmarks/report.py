@@ -368,8 +368,8 @@ def targets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _collect_extra(extra: Dict[str, Any], recs: Dict[int, Optional[Dict]], roles, rep: int):
-    """Registered bytes per role, control flags, correctness errors and reach (first repeat
-    that has them)."""
+    """Registered bytes per role, control flags, kernel forms per role, correctness errors and
+    reach (first repeat that has them)."""
     reach = extra.setdefault("reach", {})
     a_idx = {r: i for i, r in enumerate([r for r, ro in enumerate(roles) if ro == "attention"])}
     for r, rec in recs.items():
@@ -382,6 +382,8 @@ def _collect_extra(extra: Dict[str, Any], recs: Dict[int, Optional[Dict]], roles
             extra.setdefault("union_bytes", rec["union_bytes"])
         if rec.get("flags") is not None:
             extra.setdefault("afdep_flags", rec["flags"])
+        if rec.get("kernel_forms") is not None:  # [dispatch or receive, collect or reply]
+            extra.setdefault("kernel_forms", {}).setdefault(role, rec["kernel_forms"])
         if rec.get("flag_rtt_us") is not None:  # measured once per world (initiator only)
             extra.setdefault("flag_rtt_runs", []).append(rec["flag_rtt_us"])
         for k in ("eager_rel_err", "graph_rel_err"):

@@ -204,10 +204,12 @@ def _synthetic(arms=("afdep", "symmetric", "nccl", "nccl_bare"), repeats=3):
                 scale = 1.0 if idx == 0 else 10.0
                 b = base[arm] * scale + rep  # repeats 0, 1, 2 add 0, 1, 2 µs
                 ranks[0]["cells"][idx] = {"status": "ok", "registered_bytes": 300,
-                                          "union_bytes": 400, "flags": 63}
+                                          "union_bytes": 400, "flags": 63,
+                                          "kernel_forms": ["kSmallRecv", "kSmallSend"]}
                 ranks[1]["cells"][idx] = {"status": "ok", "median_us": b,
                                           "reach_tokens": [cell["tokens"]],
-                                          "registered_bytes": 100, "union_bytes": 400}
+                                          "registered_bytes": 100, "union_bytes": 400,
+                                          "kernel_forms": ["kSmallSend", "kEarlyCollect"]}
                 ranks[2]["cells"][idx] = {"status": "ok", "median_us": b + 0.5,
                                           "reach_tokens": [cell["tokens"]]}
             raw.append({"arm": arm, "layout": "2A1F", "repeat": rep, "status": "ran",
@@ -231,6 +233,9 @@ def test_aggregate_latency_is_median_of_repeats_of_max_over_ranks():
     assert "vs_nccl_pct" in r
     assert r["registered_bytes"] == {"ffn": 300, "attention": 100}
     assert r["union_bytes"] == 400
+    # the kernel forms each role's launches ran (dispatch or receive, collect or reply)
+    assert r["kernel_forms"] == {"ffn": ["kSmallRecv", "kSmallSend"],
+                                 "attention": ["kSmallSend", "kEarlyCollect"]}
 
 
 def test_floor_and_achieved_bandwidth_use_the_busiest_link():

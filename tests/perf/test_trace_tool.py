@@ -189,6 +189,7 @@ class _FakeBuf:
 
     def __init__(self, x):
         self.x, self.sent = x, None
+        self.transport = types.SimpleNamespace(last_forms=("kSmallRecv", "kSmallSend"))
 
     def worker_receive(self, bucket):
         return types.SimpleNamespace(x=self.x, receipt=("receipt", bucket))
@@ -208,11 +209,12 @@ def test_stand_in_between_receive_and_reply(stand_in):
     reply = torch.full((6, 256), 3.0, dtype=torch.bfloat16)
     cell = arms._AfdepCell.__new__(arms._AfdepCell)  # no world: only step's FFN half runs
     cell.rk = types.SimpleNamespace(is_attention=False)
-    cell.buf, cell.bucket, cell.stand_in = _FakeBuf(x), 6, stand_in
+    cell.buf, cell.bucket, cell.stand_in, cell.extra = _FakeBuf(x), 6, stand_in, {}
     cell.reply = reply.clone()
     cell.step()
     rows, receipt = cell.buf.sent
     assert receipt == ("receipt", 6) and rows is cell.reply
+    assert cell.extra["kernel_forms"] == ["kSmallRecv", "kSmallSend"]  # what the step ran
     want = reply.clone()
     if stand_in == "copy":
         want = tx.stand_in_expert(want, x)
