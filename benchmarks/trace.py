@@ -194,6 +194,8 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
                     # host time of graph.replay() (the graph launch call): when it outlasts the
                     # queue-ahead sleep, the GPU waits for the host inside the measured interval
                     row["host_replay_us"] = _spread([(b - a) * 1e6 for a, b in host])
+                    # the Attention's kernel forms in the graph: [dispatch, collect]
+                    row["kernel_forms"] = c.extra.get("kernel_forms")
                     out["rows"].append(row)
             del graph
             c.release()
