@@ -472,6 +472,21 @@ __device__ __forceinline__ void scan_expert_rows(int* s_tab, int* s_off, int nre
   }
 }
 
+// Token q of the expansion, in region g = (Attention index ai, channel ch) at slot j, with
+// receipt slot s (its arrival order within its source): false (reported once, by `report`)
+// when s is past the bucket (cannot happen with T <= bucket; never written out of bounds)
+__device__ __forceinline__ bool locate_token(const Layout& L, const DispatchArgs& a,
+                                             const int* s_rb, int q, int g, bool report, int& ai,
+                                             int& ch, int& j, int& s) {
+  ai = fast_div(g, L.div_S);
+  ch = g - ai * L.S;
+  j = q - s_rb[g];
+  s = q - s_rb[ai * L.S];
+  if (s < a.bucket) return true;
+  if (report) report_route(L.err, s, 2);
+  return false;
+}
+
 // Entry r of receipt item `item` (token tok of source rank sr, from region g): its row of the
 // expert-major layout, from its local expert el (-1: no entry) and its position pos among the
 // region's rows of el; -1 when out of range or past its expert's rows. With `write` (one lane)
@@ -622,12 +637,8 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
       q = qr;
       g = upper_index(s_rb, nreg, q);
     }
-    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, j = q - s_rb[g];
-    const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
-    if (s >= a.bucket) {
-      if (lane == 0 && r == 0 && h == 0) report_route(L.err, s, 2);
-      continue;
-    }
+    int ai, ch, j, s;
+    if (!locate_token(L, a, s_rb, q, g, lane == 0 && r == 0 && h == 0, ai, ch, j, s)) continue;
     const int sr = L.rank_of_attn[ai];
     const size_t gslot = ((size_t)(role ? ai : sr) * L.S + ch) * L.slots + j;
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
@@ -1159,12 +1170,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     const int h = u & ((1 << lg) - 1), it = u >> lg;
     const int q = fast_div(it, L.div_R), r = it - q * L.R;
     const int g = upper_index(s_rb, nreg, q);
-    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, j = q - s_rb[g];
-    const int s = q - s_rb[ai * L.S];  // receipt slot: arrival order within the source
-    if (s >= a.bucket) {
-      if (lane == 0 && r == 0 && h == 0) report_route(L.err, s, 2);
-      continue;
-    }
+    int ai, ch, j, s;
+    if (!locate_token(L, a, s_rb, q, g, lane == 0 && r == 0 && h == 0, ai, ch, j, s)) continue;
     const int sr = L.rank_of_attn[ai];
     const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
     const uint64_t* ur = ut + L.meta_ints;  // the row: four units per 16-byte vector
