@@ -1,7 +1,6 @@
-// The kernel forms: which code a transport kernel is compiled for (its template argument).
-// Host and device code share this header: the kernels take the form as a template argument,
-// the host's dispatch_form / combine_form pick it per launch, and Comm records the last one
-// of each phase (Comm::last_forms, for tests and diagnostics).
+// The kernel forms, shared by host and device code: the kernels take one as their template
+// argument, the host's dispatch_form / combine_form pick it per launch, and Comm records the
+// last one of each phase (Comm::last_forms, for tests and diagnostics).
 #pragma once
 
 #include <cuda_runtime.h>
