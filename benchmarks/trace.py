@@ -59,6 +59,11 @@ def _gap(a, i: int, b, j: int) -> Optional[int]:
     return a[i] - b[j] if a[i] and b[j] else None
 
 
+def _less(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    """a - b; None when either is."""
+    return a - b if a is not None and b is not None else None
+
+
 #: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns or None, crosses GPUs)
 STAGES = [
     ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: _gap(da, MAX_SENT, da, START), False),
@@ -108,6 +113,10 @@ STAGES = [
     ("  A collect: CTA0 done seen -> last CTA done seen",
      lambda da, ca, df, cf: _gap(ca, MAX_WAITED, ca, WAITED), False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),
+    # the transport's own chain: the total less the caller's kernel between receive and reply
+    # (on one GPU that gap is 2-3 µs longer than on two, since the ranks share the GPU around it)
+    ("A kernels total - F gap", lambda da, ca, df, cf: _less(_gap(ca, MAX_END, da, START),
+                                                           _gap(cf, START, df, MAX_END)), False),
 ]
 #: stages of the Attention stream's stamps st = (after the start event, before the end event)
 #: (the start stamp precedes a replay's first exchange, the end stamp follows its last)

@@ -71,6 +71,7 @@ def test_stage_medians_from_stamps():
     assert s["  A CTA0: done seen -> its end"] == 1.25
     assert s["  A collect: CTA0 done seen -> last CTA done seen"] == 0.5
     assert s["A kernels total (dispatch start -> combine end)"] == 22
+    assert s["A kernels total - F gap"] == 21
     # each crossing includes the 1000 µs clock offset, with opposite signs: their sum is the
     # true 1 µs (A -> F) + 2 µs (F -> A)
     cross = (s["x A last sent -> F CTA0 counts seen"] + s["x F last signal -> A CTA0 done seen"])
@@ -105,6 +106,7 @@ def test_stream_stamps_map_each_replay_to_its_exchange():
     row = trace.summarize(8, got, lat, replays, st)
     s, sp = row["stages_us"], row["spread_us"]
     assert s["A kernels total (dispatch start -> combine end)"] == 20
+    assert "A kernels total - F gap" not in s  # the FFN stamped nothing: no F gap to take off
     assert sp["A stream: start stamp -> dispatch start"] == {"median": 3, "p90": 5, "max": 5}
     assert s["A stream: combine end -> end stamp"] == 3
     assert s[trace.OUTSIDE] == 12 and sp[trace.OUTSIDE]["max"] == 14
