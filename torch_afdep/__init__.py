@@ -2,7 +2,8 @@
 
 Role API: ``Buffer(group, Config(...))`` with ``source_dispatch`` / ``source_collect`` on
 Attention ranks and ``worker_receive`` / ``worker_reply`` on FFN ranks. Ops:
-``torch.ops.afdep.{dispatch, combine, receive, reply}`` with wrappers ``afd_*``. The c10d
+``torch.ops.afdep.{dispatch, combine, receive, reply}`` (the token layout's FFN side:
+``receive_tokens``, ``reply_tokens``) with wrappers ``afd_*``. The c10d
 backend ``"afdep"`` is registered on import. Contract: docs/contract.md.
 """
 

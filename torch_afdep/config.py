@@ -53,8 +53,10 @@ class Config:
             (pre-quantized by the caller, with per-128 float32 scales). Combine is BF16.
         roles: optional explicit role per group rank, length A + F, in any spelling
             ``parse_roles`` takes (``"FFAA"``, ``["ffn", "attention"]``, ...). Default: group ranks ``[0, F)`` are FFN ranks, ``[F, F+A)`` Attention ranks.
-        num_sms: CUDA only: S, the CTAs (channels) of the Attention's dispatch kernel (of
-            every kernel when the protocol controls are reverted).
+        num_sms: S, the CTAs (channels) of the Attention's dispatch kernel (of every kernel
+            when the protocol controls are reverted). On every device it also sets the token
+            layout's rows per source (``rows_per_source``: a multiple of S), so CPU and CUDA
+            buffers of one config have the same N.
         local_sms: CUDA only: CTAs of the kernels that mostly do local work: the FFN ranks'
             receive and reply (expansion into the expert-major layout, fp32 reduction) and the
             Attention ranks' combine (collect); 0 = one per SM of the device, divided among

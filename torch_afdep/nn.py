@@ -449,8 +449,18 @@ class AfdMoE(torch.nn.Module):
         return x.to(torch.bfloat16).contiguous(), None
 
     def dispatch(self, x: torch.Tensor, *, slot: int = 0, return_routing: bool = False):
-        """Route ``x`` [T, H] and dispatch it on ``slot``; returns the route handle for
-        ``combine`` (and the routing (expert_ids, weights) with ``return_routing``)."""
+        """Attention: route ``x`` and dispatch it on ``slot``.
+
+        Arguments:
+            x: [T, H], any float dtype (cast to the buffer's payload dtype; FP8 quantized
+                here in blocks of 128).
+            slot: the micro-batch slot.
+            return_routing: also return the router's choice.
+        Returns:
+            route: [T] int64, the handle for ``combine`` (bit f: the token reached FFN
+                index f); with ``return_routing`` the tuple (route, expert_ids [T, k] int64,
+                weights [T, k] float32).
+        """
         ids, w = self.router(x)
         payload, scales = self._payload(x)
         route = afd_dispatch(payload, ids, w, group=self.group_name, buffer_id=self.buffer_id,
@@ -482,6 +492,10 @@ class AfdMoE(torch.nn.Module):
 
     def forward(self, x: Optional[torch.Tensor] = None, *, slot: int = 0,
                 return_routing: bool = False):
+        """Attention: ``moe(x, slot=)`` returns the layer's output [T, H] in ``x``'s dtype
+        (with ``return_routing``: (out, expert_ids [T, k] int64, weights [T, k] float32)).
+        FFN: ``moe(slot=)`` serves the exchange (``serve``) and returns its dependency token,
+        [0] int32."""
         if self.role == FFN:
             if x is not None:
                 raise TypeError("on FFN ranks AfdMoE takes no input: call it as moe(slot=...)")

@@ -122,7 +122,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 # ---- metadata and handles ------------------------------------------------------------------
 @dataclasses.dataclass
 class AfdepSendHandle:
-    """What ``send_attn_output`` returns (pass it to ``recv_ffn_output``)."""
+    """What ``send_attn_output`` returns (pass it to ``recv_ffn_output``): ``route`` [T] int64
+    (bit f: the token reached FFN index f; ``afd_dispatch``'s handle), the micro-batch slot
+    ``ubatch_idx``, T as ``num_tokens``, and the layer."""
 
     route: torch.Tensor
     ubatch_idx: int
