@@ -17,6 +17,10 @@ from .transport import make_transport
 from .types import Receipt, TokenReceipt
 
 
+#: What a rank that failed its own checks in ``Buffer()`` publishes for its peers.
+_FAILED = "torch_afdep: this rank's Buffer() failed"
+
+
 class Buffer:
     """One rank's end of AFD exchanges on ``group`` (collective to create and to close).
 
@@ -38,21 +42,36 @@ class Buffer:
     """
 
     def __init__(self, group=None, config: Optional[Config] = None, device=None):
-        if not isinstance(config, Config):
-            raise TypeError(f"config must be a torch_afdep.Config, got {type(config).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group(...) before creating a Buffer")
         self.group = dist.group.WORLD if group is None else group
-        self.config = config
+        if not isinstance(self.group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the "
+                            f"default group), got {type(group).__name__}")
         self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of group: create the Buffer on a "
+                             "group that holds this rank")
         self.group_name = self.group.group_name
-        self.device = self._pick_device(device)
+        # Counted before any check that one rank alone may fail, so every rank's attempt
+        # numbers stay in step; that rank tells the others (they raise at once, not after
+        # timeout_s).
+        attempt = registry.next_attempt(self.group_name)
+        try:
+            if not isinstance(config, Config):
+                raise TypeError(
+                    f"config must be a torch_afdep.Config, got {type(config).__name__}")
+            self.config = config
+            self.device = self._pick_device(device)
+        except (TypeError, ValueError) as e:
+            self._publish(attempt, (_FAILED, f"{type(e).__name__}: {e}"))
+            raise
         # The first op call imports torch._dynamo (seconds); do it before any peer waits.
         import torch._dynamo  # noqa: F401
 
         # Collective first, so every rank raises the same error on any mismatch.
-        self._check_same_config_everywhere(registry.next_attempt(self.group_name))
+        self._check_same_config_everywhere(attempt)
         size = dist.get_world_size(self.group)
         if size != config.world_size:
             raise ValueError(
@@ -119,7 +138,11 @@ class Buffer:
             if torch.cuda.is_available() and _cuda_extension_available():
                 return torch.device("cuda", torch.cuda.current_device())
             return torch.device("cpu")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device must be 'cpu' or a CUDA device ('cuda', 'cuda:1', a "
+                             f"torch.device), got {device!r}") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or a CUDA device, got {device}")
         if device.type == "cuda":
@@ -142,6 +165,9 @@ class Buffer:
         rank that never creates its Buffer gives an error after ``timeout_s`` naming it."""
         mine = (self.config.fingerprint(), self.device.type, _backend_roles(self.group))
         all_ = self._gather_bounded(mine, attempt)
+        for r, other in enumerate(all_):
+            if other[0] == _FAILED:
+                raise ValueError(f"group rank {r} could not create its Buffer: {other[1]}")
         names = ("capacity_tokens_per_rank", "hidden_size", "num_experts", "top_k",
                  "ffn_ranks", "attention_ranks", "dtype", "roles", "num_sms", "num_slots",
                  "local_sms", "receive_layout")
@@ -159,6 +185,16 @@ class Buffer:
                 f"config roles {list(self.config.role_list)} differ from the roles the afdep "
                 f"backend was given for this group {list(backend_roles)}")
 
+    def _publish(self, attempt: int, mine) -> str:
+        """Put this rank's ``mine`` (picklable) under construction ``attempt``'s key in the
+        c10d store; returns the attempt's key prefix (the rank number follows it)."""
+        import pickle
+
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"torch_afdep/{self.group_name}/attempt{attempt}/rank"
+        store.set(prefix + str(self.rank), pickle.dumps(mine))
+        return prefix
+
     def _gather_bounded(self, mine, attempt: int) -> list:
         """Every group rank's ``mine`` (picklable), through the c10d store rather than a
         collective: bounded by ``timeout_s`` (a collective would wait for the process group's
@@ -169,8 +205,7 @@ class Buffer:
 
         store = dist.distributed_c10d._get_default_store()
         size = dist.get_world_size(self.group)
-        prefix = f"torch_afdep/{self.group_name}/attempt{attempt}/rank"
-        store.set(prefix + str(self.rank), pickle.dumps(mine))
+        prefix = self._publish(attempt, mine)
         keys = [prefix + str(r) for r in range(size)]
         deadline = time.monotonic() + float(self.config.timeout_s)
         pause = 0.001

@@ -23,6 +23,10 @@ MAX_FFN_RANKS = 64
 #: Most exchanges (micro-batch slots) one buffer can have in flight.
 MAX_SLOTS = 16
 
+#: The longest wait a Config may ask for: about 11.6 days (the waits' clocks count it in
+#: milliseconds or nanoseconds, and a bound beyond this is not a bound).
+MAX_TIMEOUT_S = 1e6
+
 #: What an FFN rank receives: expert-major rows, or one row per token.
 RECEIVE_LAYOUTS = ("experts", "tokens")
 
@@ -117,8 +121,12 @@ class Config:
             )
         if self.dtype == torch.bfloat16 and self.hidden_size % 8 != 0:
             raise ValueError(f"hidden_size must be a multiple of 8, got {self.hidden_size}")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got "
+                            f"{type(self.timeout_s).__name__}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN and infinity
+            raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
+                             f"{self.timeout_s!r}")
         if self.roles is not None:
             roles = parse_roles(self.roles)
             object.__setattr__(self, "roles", roles)
@@ -229,6 +237,9 @@ def parse_roles(spec: Sequence[str] | str) -> Tuple[str, ...]:
     ``"ffn"`` / ``"attention"`` (or ``"F"`` / ``"A"``). Returns a tuple of ``"ffn"`` /
     ``"attention"``; ValueError names the bad entry. (A *layout*, the counts only, is written
     ``"2A2F"``: see ``parse_layout``.)"""
+    if not isinstance(spec, (str, list, tuple)):
+        raise TypeError(f"roles must be a string such as 'FFAA' or a list/tuple of 'ffn' / "
+                        f"'attention', got {type(spec).__name__}")
     if isinstance(spec, str):
         text = spec.strip()
         parts = ([p.strip() for p in text.split(",") if p.strip()] if "," in text

@@ -25,10 +25,13 @@ from .types import Receipt, Received, TokenReceipt, TokenReceived
 def _group_name(group) -> str:
     if isinstance(group, str):
         return group
-    if group is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if group is None:
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup, its group_name or None (the default "
+                        f"group), got {type(group).__name__}")
     return group.group_name
 
 

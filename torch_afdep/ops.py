@@ -96,6 +96,7 @@ def combine(state: torch.Tensor, route: torch.Tensor, group_name: str, buffer_id
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "combine")
     validate.route(slots.config, slots.device, route)
+    slots.check_route(slot, route)
     out = torch.empty(route.shape[0], slots.config.hidden_size, dtype=torch.bfloat16,
                       device=route.device)
     try:
@@ -151,7 +152,9 @@ def receive(state: torch.Tensor, group_name: str, buffer_id: int, bucket: int, s
     outs = receive_outputs(slots.config, bucket,
                            lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
     transport.receive(bucket, *outs)
-    slots.end(slot, "receive", state)
+    slots.end(slot, "receive", state, receipt=(("receipt.token_rows", outs[6]),
+                                               ("receipt.token_index", outs[7]),
+                                               ("receipt.num_tokens", outs[8])))
     return outs
 
 
@@ -192,6 +195,9 @@ def reply(
     transport = slots.begin(slot, "reply")
     validate.reply_tensors(slots.config, slots.device, rows, token_rows, token_index,
                            num_tokens)
+    slots.check_receipt(slot, (("receipt.token_rows", token_rows),
+                               ("receipt.token_index", token_index),
+                               ("receipt.num_tokens", num_tokens)))
     transport.reply(rows, token_rows, token_index, num_tokens)
     slots.end(slot, "reply", state)
     return torch.empty(0, dtype=torch.int32, device=rows.device)
@@ -239,7 +245,8 @@ def receive_tokens(state: torch.Tensor, group_name: str, buffer_id: int, bucket:
         slots.config, bucket, lambda shape, dtype: torch.empty(shape, dtype=dtype,
                                                                device=device))
     x, x_scales = transport.receive_tokens(bucket, ids, w, src_rank, src_token, num)
-    slots.end(slot, "receive", state)
+    slots.end(slot, "receive", state, receipt=(("receipt.src_token", src_token),
+                                               ("receipt.num_tokens", num)))
     return x, x_scales, ids, w, src_rank, src_token, num
 
 
@@ -268,6 +275,8 @@ def reply_tokens(state: torch.Tensor, rows: torch.Tensor, src_token: torch.Tenso
     slots = registry.lookup(group_name, buffer_id)
     transport = slots.begin(slot, "reply")
     validate.token_reply_tensors(slots.config, slots.device, rows, src_token, num_tokens)
+    slots.check_receipt(slot, (("receipt.src_token", src_token),
+                               ("receipt.num_tokens", num_tokens)))
     transport.reply_tokens(rows, src_token, num_tokens)
     slots.end(slot, "reply", state)
     return torch.empty(0, dtype=torch.int32, device=rows.device)

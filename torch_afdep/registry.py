@@ -48,6 +48,9 @@ def lookup(group_name: str, buffer_id: int):
 def resolve(group_name: str, buffer_id: Optional[int]):
     """The buffer ``buffer_id`` on the group, or its only open buffer when None."""
     if buffer_id is not None:
+        if isinstance(buffer_id, bool) or not isinstance(buffer_id, int):
+            raise TypeError(f"buffer_id must be an int (Buffer.buffer_id) or None, got "
+                            f"{type(buffer_id).__name__}")
         return lookup(group_name, buffer_id)
     ids = [i for g, i in _BUFFERS if g == group_name]
     if len(ids) != 1:

@@ -16,7 +16,7 @@ which is how the ops, given only a group name, reach their state.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,19 @@ def order_checks_off():
         _ORDER_CHECKS = old
 
 
+def _differs(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    """How a handle passed back to an op (a route, a receipt tensor) differs from the one the
+    op's partner returned: ``"shape"``, ``"values"`` (compared on CPU only: on CUDA they stay
+    on the device) or None."""
+    if got is want:
+        return None
+    if tuple(got.shape) != tuple(want.shape):
+        return "shape"
+    if got.device.type == "cpu" and not torch.equal(got, want):
+        return "values"
+    return None
+
+
 class Slots:
     """Exchange state of one open buffer on one rank.
 
@@ -89,6 +102,8 @@ class Slots:
         n = config.num_slots
         self._phase: List[str] = ["idle"] * n
         self._route: List[Optional[torch.Tensor]] = [None] * n
+        # the receipt tensors each slot's open receive returned, as the reply must get them
+        self._receipt: List[Optional[Tuple[Tuple[str, torch.Tensor], ...]]] = [None] * n
         self._sequence: List[int] = [0] * n
 
     @property
@@ -138,10 +153,12 @@ class Slots:
                 "one exchange at a time: use another slot for the next micro-batch")
 
     def end(self, slot: int, op: str, state: torch.Tensor,
-            route: Optional[torch.Tensor] = None) -> None:
+            route: Optional[torch.Tensor] = None,
+            receipt: Optional[Tuple[Tuple[str, torch.Tensor], ...]] = None) -> None:
         """Advance ``slot`` past ``op`` and bump the op's counter in ``state`` (the ordering
         token the op was given: under torch.compile it may be a functionalized copy of
-        ``self.state``); a dispatch records its route for the collect."""
+        ``self.state``); a dispatch records its route for the collect, a receive its receipt
+        tensors ((name, tensor) pairs) for the reply."""
         _, after, counter = TRANSITIONS[op]
         self._phase[slot] = after
         if op == "dispatch":
@@ -150,7 +167,42 @@ class Slots:
             self._route[slot] = None
         elif op == "receive":
             self._sequence[slot] += 1
+            self._receipt[slot] = receipt
+        else:
+            self._receipt[slot] = None
         state[counter] += 1
+
+    def check_route(self, slot: int, route: torch.Tensor) -> None:
+        """ValueError unless ``route`` is the route the dispatch open on ``slot`` returned:
+        its shape on every device, and on CPU its values (the CPU transport sizes its
+        receives from them: a foreign route would break the exchange, not just the sums).
+        On CUDA the values stay on the device; a route of the right shape is trusted."""
+        want = self._route[slot]
+        bad = _ORDER_CHECKS and want is not None and _differs(route, want)
+        if bad == "shape":
+            raise ValueError(f"route must be the [T] int64 route afd_dispatch returned on "
+                             f"slot {slot} (T = {want.shape[0]}), got shape "
+                             f"{tuple(route.shape)}")
+        if bad == "values":
+            raise ValueError(f"route differs from the route afd_dispatch returned on slot "
+                             f"{slot}: pass that route, unchanged")
+
+    def check_receipt(self, slot: int, tensors: Tuple[Tuple[str, torch.Tensor], ...]) -> None:
+        """The reply's receipt tensors against those the receive open on ``slot`` returned:
+        their shapes on every device (ValueError: another bucket), and on CPU their values
+        (AfdepStateError: a receipt of an earlier exchange, which would send rows the
+        Attention ranks do not expect). On CUDA a receipt of the right shapes is trusted."""
+        want = self._receipt[slot]
+        for (name, got), (_, exp) in zip(tensors, want if _ORDER_CHECKS and want else ()):
+            bad = _differs(got, exp)
+            if bad == "shape":
+                raise ValueError(f"{name} must have the shape the receive on slot {slot} gave, "
+                                 f"{tuple(exp.shape)}, got {tuple(got.shape)}: reply with "
+                                 f"that receive's receipt")
+            if bad == "values":
+                raise AfdepStateError(
+                    f"{name} differs from the receipt of the receive open on slot {slot} "
+                    f"(a receipt of an earlier exchange?): reply with that receive's receipt")
 
     def open_route(self, slot: int) -> torch.Tensor:
         """The route of the dispatch open on ``slot`` (AfdepStateError when none is)."""

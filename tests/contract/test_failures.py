@@ -123,6 +123,82 @@ def test_bad_ids_and_arguments_raise_their_real_types_eager_and_compiled(device)
     assert out["after"] < 2e-2
 
 
+# ---- a foreign route or a stale receipt ----------------------------------------------------
+def foreign_handles_body(rank, world, layout):
+    """Functional API, CPU, one slot, two exchanges (T = 5, then 3). Attention: combine with a
+    route of the wrong length, then one of the right length and other values, then the right
+    one. FFN: the second exchange's reply with the first exchange's receipt, then the right
+    one. Each wrong call must raise before anything is sent and leave the exchange open."""
+    cfg = _cfg(receive_layout=layout)
+    out = {}
+    with ta.Buffer(None, cfg, device="cpu") as buf:
+        for step, t in enumerate((5, 3)):
+            if buf.role == "attention":
+                inp = ref.make_inputs(cfg, t, "random", 40 + step, 0)
+                route = ta.afd_dispatch(inp.x, inp.expert_ids, inp.weights, bucket=8)
+                if step == 0:
+                    for what, bad in (("short", route[:2].clone()),
+                                      ("values", torch.zeros_like(route))):
+                        try:
+                            ta.afd_combine(bad)
+                            out[what] = None
+                        except ValueError as e:
+                            out[what] = str(e)
+                    out["phase"] = buf.phase(0)
+                out[step] = _check_collect(buf, inp, ta.afd_combine(route.clone()))
+            else:
+                rec = ta.afd_receive(bucket=8)
+                rows = _token_rows(cfg, rec) if layout == "tokens" else _expert_rows(cfg, rec)
+                if step == 0:
+                    first = rec
+                else:
+                    try:
+                        ta.afd_reply(rows, first.receipt)
+                        out["stale"] = None
+                    except ta.AfdepStateError as e:
+                        out["stale"] = str(e)
+                    out["phase"] = buf.phase(0)
+                ta.afd_reply(rows, rec.receipt)
+                out[step] = "ok"
+    return out
+
+
+def _expert_rows(cfg, rec):
+    """The reference expert (``_expert``) on every received expert-major row, weighted."""
+    rows = torch.full(rec.x.shape, float("nan"), dtype=torch.float64)
+    offs = rec.expert_offsets.tolist()
+    for e in range(cfg.experts_per_rank):
+        lo, hi = offs[e], offs[e + 1]
+        rows[lo:hi] = _expert(e, rec.x[lo:hi].double()) * rec.weights[lo:hi, None].double()
+    return rows.bfloat16()
+
+
+def _token_rows(cfg, rec):
+    """The reference expert on each received token row: its local experts, weighted, summed."""
+    x = rec.x.double()
+    rows = torch.zeros(x.shape, dtype=torch.float64)
+    for j in range(cfg.top_k):
+        for e in range(cfg.experts_per_rank):
+            m = rec.expert_ids[:, j] == e
+            rows[m] += _expert(e, x[m]) * rec.weights[m, j, None].double()
+    return rows.bfloat16()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["experts", "tokens"])
+def test_a_foreign_route_or_stale_receipt_raises_before_anything_is_sent(layout):
+    """(CPU: the values are checked there; the CPU transport sizes its messages from them,
+    so a foreign route or receipt used to abort the peer's process inside gloo.)"""
+    ffn, attn = spawn_world(foreign_handles_body, 2, layout, timeout=200)
+    assert "route must be the [T] int64 route afd_dispatch returned on slot 0 (T = 5), got " \
+           "shape (2,)" in attn["short"], attn["short"]
+    assert "route differs from the route afd_dispatch returned on slot 0" in attn["values"]
+    assert "differs from the receipt of the receive open on slot 0" in ffn["stale"], ffn
+    assert attn["phase"] == "dispatched" and ffn["phase"] == "received"
+    assert attn[0] < 2e-2 and attn[1] < 2e-2, attn  # both exchanges right afterwards
+    assert ffn[0] == ffn[1] == "ok"
+
+
 # ---- Buffer() bounded by timeout_s --------------------------------------------------------
 def absent_rank_body(rank, world):
     cfg = _cfg(timeout_s=3.0)
@@ -146,6 +222,45 @@ def test_buffer_construction_is_bounded_by_timeout_and_names_the_absent_rank():
     assert 2.5 < took < 6.0, took  # 3 s, not the process group's own timeout
     assert "group ranks [0]" in msg and "collective" in msg, msg
     assert phase == "construct" and peer == 0
+
+
+def one_rank_bad_argument_body(rank, world):
+    """Rank 1 passes a device it cannot use, twice in a row with a right call between on
+    rank 0's side: every rank must raise at once (not after timeout_s) and the ranks' next
+    Buffer() calls must pair up and exchange right."""
+    cfg = _cfg(timeout_s=20.0)
+    import torch._dynamo  # noqa: F401  (Buffer() imports it first; not part of the wait)
+
+    out = {}
+    for attempt in range(2):
+        t0 = time.monotonic()
+        try:
+            ta.Buffer(None, cfg, device="tpu" if rank == 1 else "cpu")
+            out[attempt] = "no error"
+        except (ValueError, TypeError) as e:
+            out[attempt] = (type(e).__name__, str(e), time.monotonic() - t0)
+    with ta.Buffer(None, cfg, device="cpu") as buf:
+        if buf.role == "attention":
+            inp = ref.make_inputs(cfg, 3, "random", 7, 0)
+            buf.source_dispatch(inp.x, inp.expert_ids, inp.weights, bucket=8)
+            out["after"] = _check_collect(buf, inp, buf.source_collect())
+        else:
+            _serve(buf, 8)
+            out["after"] = "ok"
+    return out
+
+
+@pytest.mark.slow
+def test_a_bad_argument_on_one_rank_fails_every_rank_at_once_and_retries_pair_up():
+    ffn, attn = spawn_world(one_rank_bad_argument_body, 2, timeout=120)
+    for attempt in (0, 1):
+        kind, msg, took = attn[attempt]
+        assert kind == "ValueError" and "device must be 'cpu' or a CUDA device" in msg, msg
+        kind, msg, took = ffn[attempt]
+        assert kind == "ValueError" and msg.startswith("group rank 1 could not create its "
+                                                       "Buffer: ValueError: device must be"), msg
+        assert took < 10.0, took  # told by the failing rank, not timed out (20 s)
+    assert ffn["after"] == "ok" and attn["after"] < 2e-2
 
 
 # ---- bucket mismatch ---------------------------------------------------------------------
