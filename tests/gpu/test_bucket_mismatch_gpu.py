@@ -165,7 +165,14 @@ def _body(rank, world, cfg_kw, exchanges):
     rec = {"rank": rank, "role": "ffn" if is_ffn else "attention", "exchanges": []}
     try:
         for i, (tokens, bucket_a, bucket_f) in enumerate(exchanges):
-            mismatch = bucket_a != bucket_f
+            # bucket_a: every Attention rank's, or a tuple by Attention index
+            buckets_a = bucket_a if isinstance(bucket_a, tuple) else (bucket_a,)
+            if is_ffn:  # an error when any source differed; poisoned rows when all did
+                mismatch = any(b != bucket_f for b in buckets_a)
+                poison = all(b != bucket_f for b in buckets_a)
+            else:
+                bucket_a = buckets_a[buf.role_index % len(buckets_a)]
+                mismatch = bucket_a != bucket_f
             x = {"index": i}
             t0 = time.monotonic()
             if is_ffn and cfg.receive_layout == "tokens":
@@ -174,7 +181,7 @@ def _body(rank, world, cfg_kw, exchanges):
                 x["rows"] = int((received.src_token >= 0).sum().item())
                 x["offsets_zero"] = x["rows"] == 0  # (no offsets in this layout)
                 x["num_tokens"] = received.receipt.num_tokens.tolist()
-                buf.worker_reply(_ffn_token_rows(cfg, received, poison=mismatch),
+                buf.worker_reply(_ffn_token_rows(cfg, received, poison=poison),
                                  received.receipt)
             elif is_ffn:
                 received = buf.worker_receive(bucket_f)
@@ -182,9 +189,9 @@ def _body(rank, world, cfg_kw, exchanges):
                 x["rows"] = int(received.expert_offsets[-1].item())
                 x["offsets_zero"] = bool((received.expert_offsets == 0).all().item())
                 x["num_tokens"] = received.receipt.num_tokens.tolist()
-                buf.worker_reply(_ffn_rows(cfg, received, poison=mismatch), received.receipt)
+                buf.worker_reply(_ffn_rows(cfg, received, poison=poison), received.receipt)
             else:
-                inp = ref.make_inputs(cfg, tokens, seed=100 + i)
+                inp = ref.make_inputs(cfg, tokens, seed=100 + i, a=buf.role_index)
                 buf.source_dispatch(inp.x.to(dev), inp.expert_ids.to(dev),
                                     inp.weights.to(dev), bucket_a)
                 out = buf.source_collect()
@@ -196,6 +203,8 @@ def _body(rank, world, cfg_kw, exchanges):
                 if not mismatch:
                     want = ref.moe_output(cfg, inp.x, inp.expert_ids, inp.weights, _expert(cfg))
                     x["rel_err"] = ref.relative_error(o, want)
+            torch.cuda.synchronize()
+            x["forms"] = buf.transports[0].last_forms  # (dispatch/receive, reply/collect)
             err = _error_after(buf, t0 + TIMEOUT_S) if mismatch else None
             if not mismatch:
                 torch.cuda.synchronize()
@@ -233,6 +242,18 @@ def test_bucket_mismatch_reported_on_both_roles(case):
         assert a["finite"] and a["shape"] == (exchanges[i][0], hidden), a
         assert a["rel_err"] < 1.5e-2, a
 
+    # the experimental controls' paths ran (a case cannot pass on the default path): the
+    # expert layout's dispatch as units where ceil(bucket / num_sms) <= 2, else the count
+    # form that watches for units; the collect without the barrier
+    for i, (tokens, bucket_a, bucket_f) in enumerate(exchanges):
+        f, a = ffn["exchanges"][i]["forms"], attn["exchanges"][i]["forms"]
+        if case.startswith("ll_experts"):
+            units = [-(-b // cfg_kw["num_sms"]) <= 2 for b in (bucket_a, bucket_f)]
+            assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
+            assert f[0] == ("kUnitExpRecv" if units[1] else "kCountRecvLL"), (i, f)
+        if case.startswith("early_collect"):
+            assert a[1] == "kEarlyCollect", (i, a)
+
     f, a = ffn["exchanges"][1], attn["exchanges"][1]
     _, bucket_a, bucket_f = exchanges[1]
     # the FFN took nothing from the Attention rank
@@ -248,3 +269,45 @@ def test_bucket_mismatch_reported_on_both_roles(case):
         assert f"with bucket {theirs} but this rank used bucket {mine}" in r["error"], r
         assert "slot 0" in r["error"], r
         assert r["elapsed"] < TIMEOUT_S, r
+
+
+# AFDEP_LL_EXPERTS with two Attention ranks whose buckets differ in one exchange, so the FFN's
+# receive meets both forms at once: its units receive (bucket 8) beside a count-block region
+# of a mismatched source (bucket 16), then its count form (bucket 16) beside a mismatched
+# source's units (bucket 8); the matched source's rows must come through exactly
+MIXED = [(5, 8, 8), (3, (8, 16), 8), (3, (16, 8), 16), (5, 8, 8)]
+
+
+@pytest.mark.parametrize("case", ["ll_experts_mixed_forms"])
+def test_ll_experts_mixed_forms_in_one_exchange(case):
+    why = _skip_reason()
+    if why:
+        pytest.skip(why)
+    from torch_afdep.testing import spawn_world
+
+    cfg_kw = {**BASE, "attention_ranks": 2}
+    n = torch.cuda.device_count()
+    ffn, a0, a1 = spawn_world(_body, 3, cfg_kw, MIXED, device_ids=[r % n for r in range(3)],
+                              env={**ENV, "AFDEP_LL_EXPERTS": "1"}, timeout=240.0)
+    for i in (0, 3):  # every bucket equal: both sources' rows, no error
+        assert ffn["exchanges"][i]["error"] is None, ffn["exchanges"][i]
+        assert ffn["exchanges"][i]["num_tokens"] == [5, 5], ffn["exchanges"][i]
+        assert ffn["exchanges"][i]["forms"][0] == "kUnitExpRecv", ffn["exchanges"][i]
+        for a in (a0, a1):
+            assert a["exchanges"][i]["error"] is None and a["exchanges"][i]["rel_err"] < 1.5e-2
+    # exchange 1: Attention index 1 (group rank 2) sent bucket 16 as a count block to the FFN's
+    # units receive (bucket 8); exchange 2: index 0 (group rank 1) is the count form's match and
+    # index 1 sent units (bucket 8) to the FFN's count form (bucket 16)
+    for i, form, (ok, bad), bad_rank in ((1, "kUnitExpRecv", (a0, a1), 2),
+                                         (2, "kCountRecvLL", (a0, a1), 2)):
+        f = ffn["exchanges"][i]
+        assert f["forms"][0] == form, (i, f)
+        assert f["num_tokens"] == [3, 0] and f["rows"] > 0, (i, f)
+        assert f["error"] is not None and f"group rank {bad_rank} " in f["error"], (i, f)
+        assert ok["exchanges"][i]["error"] is None and ok["exchanges"][i]["rel_err"] < 1.5e-2
+        b = bad["exchanges"][i]
+        assert b["all_zero"] and b["error"] is not None and "bucket mismatch" in b["error"], b
+    assert a0["exchanges"][1]["forms"][0] == "kSmallSend"
+    assert a1["exchanges"][1]["forms"][0] == "kCountSend"
+    assert a0["exchanges"][2]["forms"][0] == "kCountSend"
+    assert a1["exchanges"][2]["forms"][0] == "kSmallSend"

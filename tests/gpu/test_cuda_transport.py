@@ -248,12 +248,19 @@ GRAPH_CELLS = [("bfloat16", 8, 1), ("bfloat16", 128, 128), ("float8_e4m3fn", 204
 GRAPH_IDS = ["bf16-T1", "bf16-T128", "fp8-T1180"]
 
 
-def graph_replays_1a1f(dtype, bucket, tokens, env, seed):
-    """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh inputs each."""
+def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None):
+    """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh inputs each;
+    ``forms``: the kernel forms the captured launches must run, (FFN's, Attention's), each
+    (dispatch or receive, reply or collect), None for a phase not checked."""
     kw = cfg_kw("1A1F", bucket, 2048, dtype)
-    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed,
-                          env={**BASE_ENV, **env}, timeout=600)
-    assert all(r == 100 for r in res)
+    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed, "partial",
+                          forms is not None, env={**BASE_ENV, **env}, timeout=600)
+    if forms is None:
+        assert all(r == 100 for r in res)
+        return
+    for (checked, got), want in zip(res, forms):  # rank 0 is the FFN rank
+        assert checked == 100
+        assert all(w is None or g == w for g, w in zip(got, want)), (got, want)
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 128, 128),
@@ -422,7 +429,10 @@ def test_ll_experts_eager(layout, dtype):
 def test_ll_experts_graph_replays(dtype, bucket, tokens):
     """AFDEP_LL_EXPERTS=1, 100 checked graph replays around the units' edge (bucket 8 and 48:
     units; 49: the count form, whose receive watches for units)."""
-    graph_replays_1a1f(dtype, bucket, tokens, LLX, 9400)
+    units = bucket <= 48
+    graph_replays_1a1f(dtype, bucket, tokens, LLX, 9400,
+                       forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
+                              ("kSmallSend" if units else "kCountSend", None)))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -463,7 +473,8 @@ def test_early_collect_eager(layout, dtype):
 def test_early_collect_graph_replays(dtype, bucket, tokens):
     """AFDEP_EARLY_COLLECT=1, 100 checked graph replays around the reply units' edge (bucket 8
     and 48: units; 49: the count form, which the lanes take from the completion count)."""
-    graph_replays_1a1f(dtype, bucket, tokens, EARLY_COLLECT, 9500)
+    graph_replays_1a1f(dtype, bucket, tokens, EARLY_COLLECT, 9500,
+                       forms=((None, None), (None, "kEarlyCollect")))
 
 
 def test_early_collect_sanitizer_small():

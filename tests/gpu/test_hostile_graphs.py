@@ -133,25 +133,42 @@ def test_units_hostile_graph_replays(layout, control):
     stats = run(layout, kw(layout, cap=48), scen, seed=9, env={control: "1"})
     for s in stats:
         assert s["checked"] == _replays(scen), s
+        # the control's path ran (bucket 48: units), not the default one
+        if control == "AFDEP_LL_EXPERTS":
+            want = {"ffn": "kUnitExpRecv", "attention": "kSmallSend"}[s["role"]]
+            assert s["forms"][0] == {want}, s["forms"]
+        elif s["role"] == "attention":
+            assert s["forms"][1] == {"kEarlyCollect"}, s["forms"]
     for s in _att(stats):
         assert s["route_errors"] > 0, s
 
 
-@pytest.mark.parametrize("layout,experts", [("1A1F", 128), ("2A2F", 128), ("2A2F", 8)],
-                         ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip"])
-def test_graph_duplicate_ids(layout, experts):
+@pytest.mark.parametrize("layout,experts,llx", [("1A1F", 128, False), ("2A2F", 128, False),
+                                                ("2A2F", 8, False), ("2A2F", 8, True)],
+                         ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip",
+                              "2A2F-E8-R4-clip-ll_experts"])
+def test_graph_duplicate_ids(layout, experts, llx):
     """Duplicated expert ids within a token (some tokens with all k entries equal): per the
     contract a duplicate counts once, with its first occurrence's weight
     (torch_afdep.reference.dedupe): the FFN ranks receive one row per distinct (token,
     expert), and the output is exact against the deduplicated routing. In the E=8 case
     (E_local = 4 < top_k = 8, so R = 4) duplicates also push a token past R entries on one
     FFN rank (the kernel's clipping path); an AfdepRouteError there is allowed but the data
-    must still follow the contract."""
-    scen = [sc("dups", [128] * LAYOUTS[layout][1], 10),
-            sc("dups", [33] * LAYOUTS[layout][1], 4, "int32")]
-    stats = run(layout, kw(layout, experts=experts), scen, seed=5)
+    must still follow the contract. With AFDEP_LL_EXPERTS (llx) at capacity 48 the dispatch
+    goes as flagged units, whose entry layout holds R = 4 entries here, not top_k."""
+    A = LAYOUTS[layout][1]
+    if llx:
+        scen = [sc("dups", [48] * A, 10), sc("dups", [33, 1][:A], 4, "int32")]
+        stats = run(layout, kw(layout, cap=48, experts=experts), scen, seed=5,
+                    env={"AFDEP_LL_EXPERTS": "1"})
+    else:
+        scen = [sc("dups", [128] * A, 10), sc("dups", [33] * A, 4, "int32")]
+        stats = run(layout, kw(layout, experts=experts), scen, seed=5)
     for s in stats:
         assert s["checked"] == _replays(scen), s
+        if llx:  # the units path ran
+            want = {"ffn": "kUnitExpRecv", "attention": "kSmallSend"}[s["role"]]
+            assert s["forms"][0] == {want}, s["forms"]
 
 
 @pytest.mark.parametrize("layout", ["1A1F", "1A2F"])

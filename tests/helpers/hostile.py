@@ -219,8 +219,9 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
     t = tb._transport(cfg, rank)
     role, idx = cfg.role_of(rank), cfg.role_index(rank)
     A = cfg.attention_ranks
+    # "forms": the kernel forms each phase's captured launch ran (a test of a path asserts it)
     stats = {"role": role, "checked": 0, "route_errors": 0, "dup_route_errors": 0,
-             "nonfinite_out": 0, "per_kind": {}}
+             "nonfinite_out": 0, "per_kind": {}, "forms": [set(), set()]}
     memory_only = dup_mode == "memory"
     try:
         for si, sc_def in enumerate(scenarios):
@@ -265,6 +266,8 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     step()
+                for ph in (0, 1):
+                    stats["forms"][ph].add(t.last_forms[ph])
                 dist.barrier()
                 for i in range(replays):
                     inputs = inputs_of(i)
@@ -301,6 +304,8 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     step()
+                for ph in (0, 1):
+                    stats["forms"][ph].add(t.last_forms[ph])
                 dist.barrier()
                 for i in range(replays):
                     inputs = inputs_of(i)

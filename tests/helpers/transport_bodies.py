@@ -202,8 +202,11 @@ def view_exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False):
     return exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids, view=True)
 
 
-def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="partial"):
-    """Capture one exchange per rank in a CUDA graph; replay with fresh inputs each time."""
+def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="partial",
+               forms=False):
+    """Capture one exchange per rank in a CUDA graph; replay with fresh inputs each time.
+    Returns the replays checked, with ``forms`` also the captured launches' kernel forms
+    (dispatch or receive, reply or collect)."""
     cfg = make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
     t = _transport(cfg, rank)
@@ -227,6 +230,7 @@ def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="par
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 step()
+            captured = t.last_forms
             dist.barrier()
             for i in range(replays):
                 inputs = [make_inputs(cfg, a, tokens[a], routing, seed0 + i)
@@ -257,6 +261,7 @@ def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="par
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 step()
+            captured = t.last_forms
             dist.barrier()
             for i in range(replays):
                 x, ids, w, sc = make_inputs(cfg, idx, T, routing, seed0 + i)
@@ -274,7 +279,7 @@ def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="par
                 checked += 1
     finally:
         t.close()
-    return checked
+    return (checked, captured) if forms else checked
 
 
 def timeout_body(rank, world, cfg_kw):
