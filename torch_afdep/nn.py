@@ -60,7 +60,52 @@ from .functional import afd_combine, afd_dispatch, afd_receive, afd_reply
 
 METHODS = ("auto", "grouped", "dense", "loop")
 
+#: Parameter dtypes of the experts (``SwiGLUExperts``, ``AfdMoE(dtype=)``) and the router
+#: (``TopKRouter``, ``AfdMoE(router_dtype=)``): the float dtypes their initialization and
+#: every expert method run in on CPU and CUDA ("dense" and "loop" everywhere; "grouped" only
+#: where ``grouped_mm_supported`` says so, which "auto" respects). FP8 is a payload dtype
+#: (``Config.dtype``), not a parameter dtype.
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
 _GROUPED_OK: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+# ---- argument checks (TypeError / ValueError naming the argument, before any work) ----------
+def _check_count(name: str, value, low: int = 1) -> int:
+    """An int (not bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} "
+                        f"{value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return value
+
+
+def _check_method(method) -> str:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def _check_param_dtype(name: str, dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or dtype not in PARAM_DTYPES:
+        allowed = ", ".join(str(d) for d in PARAM_DTYPES)
+        raise TypeError(f"{name} must be one of {allowed} (parameter dtypes the experts and "
+                        f"the router run in), got {dtype!r}")
+    return dtype
+
+
+def _check_weight(name: str, t, shape: Tuple[int, ...], what: str) -> torch.Tensor:
+    """A floating-point tensor of ``shape``."""
+    want = "[" + ", ".join(str(s) for s in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {want} ({what}), got "
+                        f"{type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {want} ({what}), got {list(t.shape)}")
+    return t
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -177,10 +222,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TopKRouter(torch.nn.Module):
     """linear (no bias) -> softmax (float32) -> top-k (-> renormalize).
 
-    ``forward(x [T, H])`` returns (expert_ids [T, k] int64, weights [T, k] float32)."""
+    Parameter: ``weight`` [E, H] in ``dtype`` (one of ``PARAM_DTYPES``). ``forward(x [T, H]``,
+    any float dtype) returns (expert_ids [T, k] int64, weights [T, k] float32)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
                  renormalize: bool = True, dtype: torch.dtype = torch.float32, device=None):
+        _check_count("hidden_size", hidden_size)
+        _check_count("num_experts", num_experts)
+        _check_count("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}] (num_experts), got {top_k}")
+        _check_param_dtype("dtype", dtype)
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
@@ -196,7 +248,10 @@ class TopKRouter(torch.nn.Module):
 class SwiGLUExperts(torch.nn.Module):
     """This FFN rank's SwiGLU experts applied to received rows.
 
-    Parameters: ``w13`` [E_local, 2I, H] (gate w1 and up w3 stacked), ``w2`` [E_local, H, I].
+    Parameters: ``w13`` [E_local, 2I, H] (gate w1 and up w3 stacked), ``w2`` [E_local, H, I],
+    both in ``dtype`` (one of ``PARAM_DTYPES``). The constructor checks num_local_experts,
+    hidden_size, intermediate_size (ints >= 1), first_expert (int >= 0), method and dtype
+    before allocating (TypeError / ValueError naming the argument).
     ``forward(x, weights, expert_offsets, x_scales=None)`` takes a ``Received``'s fields
     (expert layout) and returns the reply rows [N, H] bfloat16: row i = weights[i] *
     swiglu_{e(i)}(x[i]) for i < expert_offsets[-1], zeros past it.
@@ -207,9 +262,13 @@ class SwiGLUExperts(torch.nn.Module):
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, *,
                  first_expert: int = 0, dtype: torch.dtype = torch.bfloat16, device=None,
                  method: str = "auto"):
+        _check_count("num_local_experts", num_local_experts)
+        _check_count("hidden_size", hidden_size)
+        _check_count("intermediate_size", intermediate_size)
+        _check_count("first_expert", first_expert, 0)
+        _check_method(method)
+        _check_param_dtype("dtype", dtype)
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.num_local_experts = num_local_experts
         self.first_expert = first_expert
         self.hidden_size = hidden_size
@@ -233,13 +292,15 @@ class SwiGLUExperts(torch.nn.Module):
     def load(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
         """Copy this rank's experts in: w1, w3 [E_local, I, H], w2 [E_local, H, I] (local
         tensors, or DTensors sharded over the FFN mesh whose local shard has those shapes)."""
-        w1, w3, w2 = _local(w1), _local(w3), _local(w2)
         e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
+        for name, t in (("w1", w1), ("w3", w3), ("w2", w2)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (this rank's experts), got "
+                                f"{type(t).__name__}")
+        w1, w3, w2 = _local(w1), _local(w3), _local(w2)
         for name, t, shape in (("w1", w1, (e, i, h)), ("w3", w3, (e, i, h)),
                                ("w2", w2, (e, h, i))):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape {list(shape)} (this rank's "
-                                 f"experts), got {list(t.shape)}")
+            _check_weight(name, t, shape, "this rank's experts")
         self.w13[:, :i].copy_(w1)
         self.w13[:, i:].copy_(w3)
         self.w2.copy_(w2)
@@ -375,15 +436,21 @@ class AfdMoE(torch.nn.Module):
         buffer: an open ``torch_afdep.Buffer`` (create it first: it is collective). Its role
             picks what this module holds; its config gives H, E, k, the layout and the
             receive layout (``"experts"`` or ``"tokens"``: which expert path the FFN runs).
-        intermediate_size: I of every expert.
-        bucket: static token bucket of every exchange (default: the capacity); Attention ranks
-            pass at most this many tokens.
+        intermediate_size: I of every expert, an int >= 1.
+        bucket: static token bucket of every exchange, an int in [1, capacity] (default: the
+            capacity); Attention ranks pass at most this many tokens.
         renormalize: renormalize the top-k weights of a token to sum to 1.
-        dtype: expert parameter dtype; expert computation runs in it, the exchange in
-            ``config.dtype`` (FP8 payloads are quantized per 128 elements on Attention ranks).
-        router_dtype: router parameter dtype (logits and softmax are float32 either way).
+        dtype: expert parameter dtype, one of ``PARAM_DTYPES`` (bfloat16, float16, float32,
+            float64); expert computation runs in it, the exchange in ``config.dtype`` (FP8
+            payloads are quantized per 128 elements on Attention ranks).
+        router_dtype: router parameter dtype, one of ``PARAM_DTYPES`` (logits and softmax are
+            float32 either way).
         device: parameter device (default: the buffer's).
-        method: expert computation, see the module docstring.
+        method: expert computation, one of ``METHODS``, see the module docstring.
+
+    Every rank checks buffer, intermediate_size, bucket, method, dtype and router_dtype first,
+    whatever its role (TypeError / ValueError naming the argument; nothing allocated, nothing
+    sent).
 
     Attention: ``forward(x [T, H], slot=0) -> [T, H]`` (x's dtype), or ``dispatch(x, slot=)``
     then ``combine(route, slot=)`` to overlap micro-batches. FFN: ``forward(slot=0)`` serves
@@ -393,16 +460,29 @@ class AfdMoE(torch.nn.Module):
     def __init__(self, buffer, intermediate_size: int, *, bucket: Optional[int] = None,
                  renormalize: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  method: str = "auto", router_dtype: torch.dtype = torch.float32):
-        super().__init__()
+        from .buffer import Buffer
+
+        # The same checks on every rank, before anything else (the FFN ranks' experts would
+        # otherwise fail deep inside torch, the Attention ranks' not at all).
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"buffer must be a torch_afdep.Buffer (create it first, on every "
+                            f"rank of the group), got {type(buffer).__name__}")
+        _check_count("intermediate_size", intermediate_size)
         cfg: Config = buffer.config
+        bucket = cfg.capacity_tokens_per_rank if bucket is None else cfg.check_bucket(bucket)
+        _check_method(method)
+        _check_param_dtype("dtype", dtype)
+        _check_param_dtype("router_dtype", router_dtype)
+        super().__init__()
         self.config = cfg
         self.group_name = buffer.group_name
         self.buffer_id = buffer.buffer_id
         self.role = buffer.role
         self.role_index = buffer.role_index
         self.intermediate_size = intermediate_size
-        self.bucket = cfg.capacity_tokens_per_rank if bucket is None else \
-            cfg.check_bucket(bucket)
+        self.bucket = bucket
+        #: Where inputs must live: the exchange runs on the buffer's device.
+        self.buffer_device = torch.device(buffer.device)
         device = buffer.device if device is None else torch.device(device)
         if self.role == ATTENTION:
             self.router = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k,
@@ -421,28 +501,62 @@ class AfdMoE(torch.nn.Module):
     def load_weights(self, router_weight: Optional[torch.Tensor] = None,
                      w1: Optional[torch.Tensor] = None, w3: Optional[torch.Tensor] = None,
                      w2: Optional[torch.Tensor] = None) -> None:
-        """Load the layer's weights; each rank takes what its role holds.
+        """Load the layer's weights; each rank takes what its role holds (and checks it:
+        TypeError / ValueError naming the argument and the expected shape, nothing copied).
 
-        router_weight [E, H] (Attention ranks). w1, w3 [E, I, H] and w2 [E, H, I]: full stacks
-        in global expert order (FFN index f keeps experts [f*E/F, (f+1)*E/F)), or DTensors
-        from ``shard_experts`` (this rank's shard is used as is)."""
+        Arguments (any floating-point dtype, cast to the parameters'):
+            router_weight: [E, H] (Attention ranks).
+            w1, w3: [E, I, H], and w2: [E, H, I] (FFN ranks): full stacks in global expert
+                order (FFN index f keeps experts [f*E/F, (f+1)*E/F)), or this rank's experts
+                ([E_local, I, H] / [E_local, H, I]), or DTensors from ``shard_experts`` (this
+                rank's shard is used as is).
+        """
+        cfg = self.config
+        e, h, i = cfg.num_experts, cfg.hidden_size, self.intermediate_size
         if self.role == ATTENTION:
             if router_weight is None:
-                raise ValueError("Attention ranks need router_weight [E, H]")
+                raise ValueError(f"Attention ranks need router_weight [{e}, {h}]")
+            _check_weight("router_weight", router_weight, (e, h), "[num_experts, hidden_size]")
             self.router.weight.copy_(router_weight)
             return
         if w1 is None or w3 is None or w2 is None:
-            raise ValueError("FFN ranks need w1, w3 [E, I, H] and w2 [E, H, I]")
-        el, lo = self.config.experts_per_rank, self.experts.first_expert
-
-        def mine(t):
+            raise ValueError(f"FFN ranks need w1, w3 [{e}, {i}, {h}] and w2 [{e}, {h}, {i}]")
+        el, lo = cfg.experts_per_rank, self.experts.first_expert
+        mine = {}
+        for name, t, tail in (("w1", w1, (i, h)), ("w3", w3, (i, h)), ("w2", w2, (h, i))):
+            full, local = (e,) + tail, (el,) + tail
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor {list(full)}, got "
+                                f"{type(t).__name__}")
             t = _local(t)
-            return t[lo:lo + el] if t.shape[0] == self.config.num_experts and \
-                t.shape[0] != el else t
-
-        self.experts.load(mine(w1), mine(w3), mine(w2))
+            if tuple(t.shape) not in (full, local):
+                raise ValueError(f"{name} must have shape {list(full)} (all experts) or "
+                                 f"{list(local)} (this rank's experts), got {list(t.shape)}")
+            mine[name] = t[lo:lo + el] if t.shape[0] == e and e != el else t
+        self.experts.load(mine["w1"], mine["w3"], mine["w2"])
 
     # ---- Attention ----------------------------------------------------------------------------
+    def _check_x(self, x) -> None:
+        """x must be a floating-point [T, H] tensor on the buffer's device, T <= bucket.
+        Static metadata only (no host reads of values): traceable under
+        ``torch.compile(fullgraph=True)`` and free in CUDA graph capture."""
+        h = self.config.hidden_size
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor [T, {h}] (hidden states), got "
+                            f"{type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must have a floating-point dtype (hidden states [T, {h}]), "
+                            f"got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != h:
+            raise ValueError(f"x must have shape [T, {h}] (T tokens, hidden_size {h}), got "
+                             f"{list(x.shape)}")
+        if x.shape[0] > self.bucket:
+            raise ValueError(f"x has {x.shape[0]} tokens but bucket is {self.bucket}: need "
+                             f"T <= bucket")
+        if x.device != self.buffer_device:
+            raise ValueError(f"x must be on {self.buffer_device} (the buffer's device), got "
+                             f"{x.device}")
+
     def _payload(self, x: torch.Tensor):
         if self.config.dtype == torch.float8_e4m3fn:
             return quantize_fp8(x)
@@ -452,8 +566,9 @@ class AfdMoE(torch.nn.Module):
         """Attention: route ``x`` and dispatch it on ``slot``.
 
         Arguments:
-            x: [T, H], any float dtype (cast to the buffer's payload dtype; FP8 quantized
-                here in blocks of 128).
+            x: [T, H], T <= bucket, any float dtype, on the buffer's device (checked before
+                routing: TypeError / ValueError naming x; cast to the buffer's payload dtype,
+                FP8 quantized here in blocks of 128).
             slot: the micro-batch slot.
             return_routing: also return the router's choice.
         Returns:
@@ -461,6 +576,9 @@ class AfdMoE(torch.nn.Module):
                 index f); with ``return_routing`` the tuple (route, expert_ids [T, k] int64,
                 weights [T, k] float32).
         """
+        if self.role != ATTENTION:
+            raise TypeError("dispatch is for Attention ranks; FFN ranks call moe(slot=...)")
+        self._check_x(x)
         ids, w = self.router(x)
         payload, scales = self._payload(x)
         route = afd_dispatch(payload, ids, w, group=self.group_name, buffer_id=self.buffer_id,
@@ -492,10 +610,11 @@ class AfdMoE(torch.nn.Module):
 
     def forward(self, x: Optional[torch.Tensor] = None, *, slot: int = 0,
                 return_routing: bool = False):
-        """Attention: ``moe(x, slot=)`` returns the layer's output [T, H] in ``x``'s dtype
-        (with ``return_routing``: (out, expert_ids [T, k] int64, weights [T, k] float32)).
-        FFN: ``moe(slot=)`` serves the exchange (``serve``) and returns its dependency token,
-        [0] int32."""
+        """Attention: ``moe(x, slot=)`` with x [T, H] (T <= bucket, any float dtype, on the
+        buffer's device; checked before routing) returns the layer's output [T, H] in ``x``'s
+        dtype (with ``return_routing``: (out, expert_ids [T, k] int64, weights [T, k]
+        float32)). FFN: ``moe(slot=)`` serves the exchange (``serve``) and returns its
+        dependency token, [0] int32."""
         if self.role == FFN:
             if x is not None:
                 raise TypeError("on FFN ranks AfdMoE takes no input: call it as moe(slot=...)")
@@ -513,4 +632,4 @@ class AfdMoE(torch.nn.Module):
 
 __all__ = ["AfdMoE", "SwiGLUExperts", "TopKRouter", "topk_route", "quantize_fp8",
            "dequantize_rows", "swiglu", "reference_moe", "reference_layer",
-           "grouped_mm_supported", "METHODS"]
+           "grouped_mm_supported", "METHODS", "PARAM_DTYPES"]

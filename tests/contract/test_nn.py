@@ -246,3 +246,232 @@ def test_token_path_compiles_without_host_reads():
     ex.method = "loop"
     with pytest.raises(Exception):
         torch.compile(ex.forward_tokens, fullgraph=True, backend="aot_eager")(x, ids, w)
+
+
+# ---- argument checks, without a world ----------------------------------------------------------
+_CHECK_CFG = dict(capacity_tokens_per_rank=8, hidden_size=64, num_experts=4, top_k=2,
+                  ffn_ranks=2, attention_ranks=1)
+
+
+def _groupless_buffer(role):
+    """A ``torch_afdep.Buffer`` of 1A2F (H=64, E=4, k=2, capacity 8) on CPU with no process
+    group or transport behind it (its collective constructor skipped): what ``AfdMoE`` reads
+    from a buffer, and nothing an exchange could run on."""
+    from torch_afdep import Buffer, Config
+
+    buf = Buffer.__new__(Buffer)
+    buf.config = Config(**_CHECK_CFG)
+    buf.group_name, buf.buffer_id = "no-such-group", 0
+    buf.role, buf.role_index, buf.device = role, 0, torch.device("cpu")
+    return buf
+
+
+@pytest.fixture
+def no_exchange(monkeypatch):
+    """Every exchange op AfdMoE calls raises: a check that names the argument ran first."""
+    import torch_afdep.nn as nn_mod
+
+    def exchange(*args, **kwargs):
+        raise AssertionError("an exchange started")
+
+    for name in ("afd_dispatch", "afd_combine", "afd_receive", "afd_reply"):
+        monkeypatch.setattr(nn_mod, name, exchange)
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """AfdMoE's submodules (the only allocations of its constructor) raise when built."""
+    import torch_afdep.nn as nn_mod
+
+    def build(*args, **kwargs):
+        raise AssertionError("parameters were allocated")
+
+    monkeypatch.setattr(nn_mod, "TopKRouter", build)
+    monkeypatch.setattr(nn_mod, "SwiGLUExperts", build)
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"intermediate_size": 0}, ValueError, r"intermediate_size must be an int >= 1, got 0"),
+    ({"intermediate_size": -1}, ValueError, r"intermediate_size must be an int >= 1, got -1"),
+    ({"intermediate_size": 2.5}, TypeError,
+     r"intermediate_size must be an int >= 1, got float 2\.5"),
+    ({"intermediate_size": "32"}, TypeError,
+     r"intermediate_size must be an int >= 1, got str '32'"),
+    ({"intermediate_size": True}, TypeError,
+     r"intermediate_size must be an int >= 1, got bool True"),
+    ({"method": "bogus"}, ValueError, r"method must be one of \('auto', 'grouped', 'dense', "
+                                      r"'loop'\), got 'bogus'"),
+    ({"dtype": torch.int32}, TypeError,
+     r"dtype must be one of torch\.bfloat16, torch\.float16, torch\.float32, torch\.float64 "
+     r".*got torch\.int32"),
+    ({"dtype": torch.float8_e4m3fn}, TypeError, r"dtype must be one of .*got torch\.float8"),
+    ({"dtype": "bfloat16"}, TypeError, r"dtype must be one of .*got 'bfloat16'"),
+    ({"router_dtype": torch.int64}, TypeError, r"router_dtype must be one of .*torch\.int64"),
+    ({"bucket": 0}, ValueError, r"bucket must be in \[1, 8\], got 0"),
+    ({"bucket": 9}, ValueError, r"bucket must be in \[1, 8\], got 9"),
+])
+def test_afd_moe_constructor_checks_arguments(role, kwargs, exc, match, no_allocation):
+    """The same checks on both roles, before anything is allocated."""
+    from torch_afdep.nn import AfdMoE
+
+    kwargs = {"intermediate_size": 32, **kwargs}
+    with pytest.raises(exc, match=match):
+        AfdMoE(_groupless_buffer(role), **kwargs)
+
+
+@pytest.mark.parametrize("buffer", [None, "buffer", object()])
+def test_afd_moe_needs_a_buffer(buffer):
+    from torch_afdep.nn import AfdMoE
+
+    with pytest.raises(TypeError, match=r"buffer must be a torch_afdep\.Buffer .*got "
+                                        + type(buffer).__name__):
+        AfdMoE(buffer, 32)
+
+
+@pytest.mark.parametrize("x, exc, match", [
+    (torch.zeros(3, 72), ValueError, r"x must have shape \[T, 64\] .*got \[3, 72\]"),
+    (torch.zeros(64), ValueError, r"x must have shape \[T, 64\] .*got \[64\]"),
+    (torch.zeros(2, 3, 64), ValueError, r"x must have shape \[T, 64\] .*got \[2, 3, 64\]"),
+    (torch.zeros(3, 64, dtype=torch.int64), TypeError,
+     r"x must have a floating-point dtype .*got torch\.int64"),
+    (torch.zeros(3, 64, dtype=torch.bool), TypeError, r"x must have a floating-point dtype"),
+    ([[0.0] * 64], TypeError, r"x must be a torch\.Tensor \[T, 64\] .*got list"),
+    (torch.zeros(9, 64), ValueError, r"x has 9 tokens but bucket is 8"),
+    (torch.zeros(3, 64, device="meta"), ValueError,
+     r"x must be on cpu \(the buffer's device\), got meta"),
+])
+def test_afd_moe_checks_x_before_routing(x, exc, match, no_exchange):
+    from torch_afdep.nn import AfdMoE
+
+    moe = AfdMoE(_groupless_buffer("attention"), 32)
+    for call in (moe, moe.dispatch):
+        with pytest.raises(exc, match=match):
+            call(x)
+    # A good x passes the checks and reaches the exchange (here: the stub that raises).
+    with pytest.raises(AssertionError, match="an exchange started"):
+        moe(torch.zeros(3, 64, dtype=torch.bfloat16))
+
+
+def test_afd_moe_x_check_traces_without_host_reads():
+    """The x checks read static metadata only: fullgraph compile of the Attention side up to
+    the exchange is one graph; a bad x surfaces inside torch's tracing error with our
+    message (docs/contract.md: checks that run while tracing cannot keep their type)."""
+    from torch_afdep.nn import AfdMoE
+
+    moe = AfdMoE(_groupless_buffer("attention"), 32)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def route(x):
+        moe._check_x(x)
+        return moe.router(x)
+
+    fn = torch.compile(route, fullgraph=True, backend=recording)
+    x = torch.randn(5, 64)
+    ids, w = fn(x)
+    assert len(graphs) == 1
+    want_ids, want_w = moe.router(x)
+    assert torch.equal(ids, want_ids) and torch.allclose(w, want_w)
+    with pytest.raises(Exception, match=r"x must have shape \[T, 64\]"):
+        fn(torch.randn(5, 72))
+
+
+def test_load_weights_checks_shapes_and_keeps_the_weights(no_exchange):
+    from torch_afdep.nn import AfdMoE
+
+    moe = AfdMoE(_groupless_buffer("attention"), 32)
+    before = moe.router.weight.clone()
+    with pytest.raises(ValueError, match=r"router_weight must have shape \[4, 64\] "
+                                         r"\(\[num_experts, hidden_size\]\), got \[4, 65\]"):
+        moe.load_weights(router_weight=torch.ones(4, 65))
+    with pytest.raises(ValueError, match=r"router_weight must have shape \[4, 64\]"):
+        moe.load_weights(router_weight=torch.ones(64, 4))
+    with pytest.raises(TypeError, match=r"router_weight must have a floating-point dtype, "
+                                        r"got torch\.int64"):
+        moe.load_weights(router_weight=torch.ones(4, 64, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"router_weight must be a torch\.Tensor \[4, 64\]"):
+        moe.load_weights(router_weight=[[1.0] * 64] * 4)
+    with pytest.raises(ValueError, match=r"Attention ranks need router_weight \[4, 64\]"):
+        moe.load_weights()
+    assert torch.equal(moe.router.weight, before)  # nothing copied
+    moe.load_weights(router_weight=torch.ones(4, 64))
+    assert bool((moe.router.weight == 1).all())
+
+    ffn = AfdMoE(_groupless_buffer("ffn"), 32, dtype=torch.float32)  # experts 0, 1 of 4
+    w13, w2 = ffn.experts.w13.clone(), ffn.experts.w2.clone()
+    good = dict(w1=torch.ones(4, 32, 64), w3=torch.ones(4, 32, 64), w2=torch.ones(4, 64, 32))
+    for name, bad, exc, match in (
+            ("w1", torch.ones(4, 33, 64), ValueError,
+             r"w1 must have shape \[4, 32, 64\] \(all experts\) or \[2, 32, 64\] \(this "
+             r"rank's experts\), got \[4, 33, 64\]"),
+            ("w3", torch.ones(3, 32, 64), ValueError, r"w3 must have shape \[4, 32, 64\]"),
+            ("w2", torch.ones(4, 32, 64), ValueError,
+             r"w2 must have shape \[4, 64, 32\] \(all experts\) or \[2, 64, 32\]"),
+            ("w2", "weights", TypeError, r"w2 must be a torch\.Tensor \[4, 64, 32\], got str"),
+    ):
+        with pytest.raises(exc, match=match):
+            ffn.load_weights(**{**good, name: bad})
+    with pytest.raises(ValueError, match=r"FFN ranks need w1, w3 \[4, 32, 64\] and w2 "
+                                         r"\[4, 64, 32\]"):
+        ffn.load_weights(w1=good["w1"])
+    assert torch.equal(ffn.experts.w13, w13) and torch.equal(ffn.experts.w2, w2)
+    ffn.load_weights(**good)  # full stacks, and this rank's two experts, both load
+    ffn.load_weights(**{k: v[:2] for k, v in good.items()})
+    assert bool((ffn.experts.w13 == 1).all()) and bool((ffn.experts.w2 == 1).all())
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"intermediate_size": 0}, ValueError, r"intermediate_size must be an int >= 1, got 0"),
+    ({"intermediate_size": 2.5}, TypeError, r"intermediate_size must be an int >= 1, got "
+                                            r"float 2\.5"),
+    ({"intermediate_size": "32"}, TypeError, r"intermediate_size must be an int >= 1"),
+    ({"num_local_experts": 0}, ValueError, r"num_local_experts must be an int >= 1, got 0"),
+    ({"hidden_size": -8}, ValueError, r"hidden_size must be an int >= 1, got -8"),
+    ({"first_expert": -1}, ValueError, r"first_expert must be an int >= 0, got -1"),
+    ({"method": "bogus"}, ValueError, r"method must be one of .*got 'bogus'"),
+    ({"method": None}, ValueError, r"method must be one of .*got None"),
+    ({"dtype": torch.int32}, TypeError, r"dtype must be one of .*got torch\.int32"),
+    ({"dtype": torch.float8_e4m3fn}, TypeError, r"dtype must be one of .*float8_e4m3fn"),
+])
+def test_swiglu_experts_constructor_checks_arguments(kwargs, exc, match):
+    from torch_afdep.nn import SwiGLUExperts
+
+    args = {"num_local_experts": 2, "hidden_size": 64, "intermediate_size": 32, **kwargs}
+    with pytest.raises(exc, match=match):
+        SwiGLUExperts(args.pop("num_local_experts"), args.pop("hidden_size"),
+                      args.pop("intermediate_size"), **args)
+
+
+def test_router_constructor_checks_arguments():
+    from torch_afdep.nn import TopKRouter
+
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 4\] \(num_experts\), got 5"):
+        TopKRouter(64, 4, 5)
+    with pytest.raises(TypeError, match=r"num_experts must be an int >= 1, got float 4\.0"):
+        TopKRouter(64, 4.0, 2)
+    with pytest.raises(TypeError, match=r"dtype must be one of .*got torch\.int32"):
+        TopKRouter(64, 4, 2, dtype=torch.int32)
+
+
+def test_param_dtypes_all_run():
+    """PARAM_DTYPES is honest: experts (both layouts, the methods that run for the dtype)
+    and the router build and give finite results in each of them."""
+    from torch_afdep.nn import PARAM_DTYPES, SwiGLUExperts, TopKRouter, grouped_mm_supported
+
+    x, w, offs = _received(12, 3, 64, 4)
+    xt, _, ids, wt = _token_received(9, 2, 3, 64, 5)
+    for dtype in PARAM_DTYPES:
+        ex = SwiGLUExperts(3, 64, 16, dtype=dtype)
+        methods = ["dense", "loop"] + (["grouped"] if grouped_mm_supported("cpu", dtype)
+                                       else [])
+        for m in methods:
+            ex.method = m
+            out, tok = ex(x, w, offs), ex.forward_tokens(xt, ids, wt)
+            assert out.dtype == tok.dtype == torch.bfloat16, (dtype, m)
+            assert torch.isfinite(out).all() and torch.isfinite(tok).all(), (dtype, m)
+        got_ids, got_w = TopKRouter(64, 4, 2, dtype=dtype)(torch.randn(5, 64))
+        assert got_ids.shape == (5, 2) and torch.isfinite(got_w).all(), dtype

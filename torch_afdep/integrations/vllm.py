@@ -80,6 +80,16 @@ Buffer API name ``num_slots``, the same setting; default ``num_afd_stages`` or 2
 ``"tokens"``), ``num_sms``, ``timeout_s``, ``device`` (``"cuda"`` | ``"cpu"``). AFD group ranks: FFN ranks ``[0, F)`` then Attention ranks
 ``[F, F+A)``, each at ``afd_role_rank`` within its role.
 
+Every setting is checked when it is read (``parse_settings``; TypeError / ValueError naming
+the key, what is allowed and the value given, before any group or memory exists). Integer
+settings are ints, floats without a fractional part or strings of ints (``"2"``, as config
+files and command lines give them); ``1.7``, ``"two"`` and bools are refused, never
+truncated. ``afd_role_rank`` (default: the ``rank`` argument) is in ``[0, ranks of that
+role)``; ``num_ubatches`` in ``[1, MAX_SLOTS]``; ``num_layers`` >= 1; ``bucket`` in
+``[1, capacity_tokens_per_rank]`` (absent: the capacity; 0 is refused); ``port`` in
+``[1, 65535]``; ``timeout_s`` a number of seconds (or a string of one) in
+``(0, MAX_TIMEOUT_S]``; ``device`` absent, ``"cuda"`` or ``"cpu"``.
+
 Example (AFD plugin: register the name, then select it)::
 
     # in a plugin entry point / before the engine starts, on every rank
@@ -102,6 +112,9 @@ else, when torch.distributed is not initialized, a new default gloo group at
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import re
 import types
 from typing import Any, Dict, Mapping, Optional
 
@@ -109,7 +122,8 @@ import torch
 import torch.distributed as dist
 
 from .. import ops as _ops
-from ..config import ATTENTION, FFN, RECEIVE_LAYOUTS, Config, parse_layout, parse_roles
+from ..config import (ATTENTION, FFN, MAX_FFN_RANKS, MAX_SLOTS, MAX_TIMEOUT_S,
+                      RECEIVE_LAYOUTS, Config, parse_layout, parse_roles)
 from ..errors import AfdepStateError
 
 CONNECTOR_NAME = "afdep"
@@ -117,6 +131,11 @@ CONNECTOR_NAME = "afdep"
 _ROLE_NAMES = {ATTENTION: "Attention", FFN: "FFN"}
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+#: extra_config["device"]: where the buffer lives (None: Buffer's default).
+DEVICES = ("cuda", "cpu")
+#: TCP ports the rendezvous may use.
+_PORTS = (1, 65535)
+_INT_TEXT = re.compile(r"\s*[+-]?\d+\s*")
 
 
 # ---- metadata and handles ------------------------------------------------------------------
@@ -205,9 +224,81 @@ def _get(obj, *names, default=None):
     return default
 
 
+def _int_setting(key: str, value, low: int, high: Optional[int] = None,
+                 why: str = "") -> int:
+    """An integer setting read strictly: an int, a float without a fractional part (2.0), or
+    a string of an int ("2", as config files and command lines give it). Anything else, a
+    fractional float (never truncated), a bool or another string, and a value outside
+    [low, high] raise TypeError / ValueError naming ``key``, what is allowed and the value."""
+    allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    allowed += why
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise TypeError(f"{key} must be an int {allowed}, got {type(value).__name__} "
+                        f"{value!r}")
+    if isinstance(value, str):
+        if not _INT_TEXT.fullmatch(value):
+            raise ValueError(f"{key} must be an int {allowed}, got {value!r}")
+        v = int(value)
+    elif isinstance(value, numbers.Integral):
+        v = int(value)
+    else:
+        if not float(value).is_integer():  # also NaN and infinity
+            raise ValueError(f"{key} must be an int {allowed}, got {value!r} (not truncated)")
+        v = int(value)
+    if v < low or (high is not None and v > high):
+        raise ValueError(f"{key} must be {allowed}, got {v}")
+    return v
+
+
+def _seconds_setting(key: str, value) -> float:
+    """A wait bound in seconds: a number or a string of one ("2.5", "60") in
+    (0, MAX_TIMEOUT_S]; TypeError / ValueError naming ``key`` otherwise (bools, other
+    strings, NaN, infinity, zero, negative numbers)."""
+    allowed = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise TypeError(f"{key} must be {allowed}, got {type(value).__name__} {value!r}")
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S):
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+    return v
+
+
+def _check_field(name: str, value, low: int, high: Optional[int] = None,
+                 why: str = "") -> None:
+    """A ``ConnectorSettings`` int field (built directly: an int, not bool) in [low, high]."""
+    allowed = (f"in [{low}, {high}]" if high is not None else f">= {low}") + why
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int {allowed}, got {type(value).__name__} "
+                        f"{value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _role_ranks(role: str, n_att: int, n_ffn: int):
+    """(ranks of ``role``, what to say about that count) for afd_role_rank's range."""
+    n = n_att if role == ATTENTION else n_ffn
+    count = "num_attention_ranks" if role == ATTENTION else "num_ffn_ranks"
+    return n, f" ({count} = {n} {_ROLE_NAMES[role]} ranks)"
+
+
+def _check_device(key: str, device) -> None:
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"{key} must be 'cuda' or 'cpu' (or absent: the Buffer's default), "
+                         f"got {device!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
-    """Everything the connector needs, resolved from vLLM's configs (``parse_settings``)."""
+    """Everything the connector needs, resolved from vLLM's configs (``parse_settings``).
+
+    Built directly, its fields are checked too (TypeError / ValueError naming the field):
+    role ``"attention"`` / ``"ffn"``; role_rank (``afd_role_rank``) in [0, ranks of that
+    role); num_ubatches in [1, MAX_SLOTS]; num_layers None or >= 1; bucket None (the
+    capacity) or in [1, capacity_tokens_per_rank]; device None, ``"cuda"`` or ``"cpu"``;
+    port in [1, 65535]. The exchange's sizes are checked by ``Config`` (``afdep_config``)."""
 
     role: str
     num_attention_ranks: int
@@ -227,6 +318,23 @@ class ConnectorSettings:
     timeout_s: float = 100.0
     host: str = "127.0.0.1"
     port: int = 29600
+
+    def __post_init__(self) -> None:
+        if self.role not in (ATTENTION, FFN):
+            raise ValueError(f"role must be {ATTENTION!r} or {FFN!r}, got {self.role!r}")
+        _check_field("num_attention_ranks", self.num_attention_ranks, 1)
+        _check_field("num_ffn_ranks", self.num_ffn_ranks, 1, MAX_FFN_RANKS)
+        n, why = _role_ranks(self.role, self.num_attention_ranks, self.num_ffn_ranks)
+        _check_field("role_rank (afd_role_rank)", self.role_rank, 0, n - 1, why)
+        _check_field("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1)
+        _check_field("num_ubatches", self.num_ubatches, 1, MAX_SLOTS)
+        if self.num_layers is not None:
+            _check_field("num_layers", self.num_layers, 1)
+        if self.bucket is not None:
+            _check_field("bucket", self.bucket, 1, self.capacity_tokens_per_rank,
+                         " (at most capacity_tokens_per_rank; None: the capacity)")
+        _check_device("device", self.device)
+        _check_field("port", self.port, *_PORTS)
 
     @property
     def num_slots(self) -> int:
@@ -281,55 +389,87 @@ def parse_settings(config, afd_config=None, rank: int = 0) -> ConnectorSettings:
     if n_att is None or n_ffn is None:
         raise ValueError("the AFD config must give num_attention_ranks and num_ffn_ranks "
                          "(or extra_config afd_size, e.g. '2A2F')")
+    n_att = _int_setting("num_attention_ranks", n_att, 1)
+    n_ffn = _int_setting("num_ffn_ranks", n_ffn, 1, MAX_FFN_RANKS)
     hf = _get(_get(config, "model_config"), "hf_config")
     hf = _get(hf, "text_config", default=hf)
 
+    def setting(key, low, high=None, hf_names=(), why=""):
+        """extra_config[key] (else the first model-config name present), strictly parsed;
+        None when absent."""
+        if extra.get(key) is not None:
+            return _int_setting(f"extra_config[{key!r}]", extra[key], low, high, why)
+        for n in hf_names:
+            v = _get(hf, n)
+            if v is not None:
+                return _int_setting(f"model_config.hf_config.{n}", v, low, high, why)
+        return None
+
     def need(key, *hf_names):
-        v = extra.get(key, _get(hf, *hf_names) if hf_names else None)
+        v = setting(key, 1, hf_names=hf_names)
         if v is None:
             raise ValueError(f"set extra_config[{key!r}] (not found in the model config)")
-        return int(v)
+        return v
 
-    capacity = extra.get("capacity_tokens_per_rank", extra.get("max_num_tokens"))
+    if _get(afd, "afd_role_rank") is not None:
+        rank_key, role_rank = "afd_role_rank", _get(afd, "afd_role_rank")
+    elif extra.get("afd_role_rank") is not None:
+        rank_key, role_rank = "extra_config['afd_role_rank']", extra["afd_role_rank"]
+    else:
+        rank_key, role_rank = "afd_role_rank (absent: the rank argument)", rank
+    n_role, why = _role_ranks(role, n_att, n_ffn)
+    role_rank = _int_setting(rank_key, role_rank, 0, n_role - 1, why)
+
+    capacity = setting("capacity_tokens_per_rank", 1)
     if capacity is None:
-        capacity = _get(_get(config, "scheduler_config"), "max_num_batched_tokens")
+        capacity = setting("max_num_tokens", 1)
+    if capacity is None:
+        batched = _get(_get(config, "scheduler_config"), "max_num_batched_tokens")
+        if batched is not None:
+            capacity = _int_setting("scheduler_config.max_num_batched_tokens", batched, 1)
     if capacity is None:
         raise ValueError("set extra_config['capacity_tokens_per_rank']: the most tokens one "
                          "Attention rank sends in one micro-batch")
-    stages = _get(afd, "num_afd_stages", default=None)
-    ubatches = extra.get("num_ubatches", extra.get("num_slots"))
-    if "num_ubatches" in extra and "num_slots" in extra and \
-            int(extra["num_ubatches"]) != int(extra["num_slots"]):
-        raise ValueError(f"extra_config num_ubatches ({extra['num_ubatches']}) and num_slots "
-                         f"({extra['num_slots']}) are the same setting; give one")
+    ubatches = setting("num_ubatches", 1, MAX_SLOTS)
+    slots = setting("num_slots", 1, MAX_SLOTS)
+    if ubatches is not None and slots is not None and ubatches != slots:
+        raise ValueError(f"extra_config num_ubatches ({ubatches}) and num_slots "
+                         f"({slots}) are the same setting; give one")
+    ubatches = ubatches if ubatches is not None else slots
     if ubatches is None:
-        ubatches = stages if stages is not None else 2
+        stages = _get(afd, "num_afd_stages", default=None)
+        ubatches = 2 if stages is None else _int_setting("num_afd_stages", stages, 1, MAX_SLOTS)
     dtype = extra.get("dtype", "bfloat16")
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"extra_config['dtype'] must be one of {sorted(_DTYPES)}, "
                              f"got {dtype!r}")
         dtype = _DTYPES[dtype]
-    layers = extra.get("num_layers", _get(hf, "num_hidden_layers"))
     layout = extra.get("receive_layout", "experts")
     if layout not in RECEIVE_LAYOUTS:
         raise ValueError(f"extra_config['receive_layout'] must be one of "
                          f"{list(RECEIVE_LAYOUTS)}, got {layout!r}")
+    device = extra.get("device")
+    _check_device("extra_config['device']", device)
+    timeout_s = extra.get("timeout_s")
+    port_key = "port" if _get(afd, "port") is not None else "afd_port"
+    port = _get(afd, "port", "afd_port", default=29600)
     return ConnectorSettings(
-        role=role, num_attention_ranks=int(n_att), num_ffn_ranks=int(n_ffn),
-        role_rank=int(_get(afd, "afd_role_rank", default=extra.get("afd_role_rank", rank))),
-        capacity_tokens_per_rank=int(capacity),
+        role=role, num_attention_ranks=n_att, num_ffn_ranks=n_ffn, role_rank=role_rank,
+        capacity_tokens_per_rank=capacity,
         hidden_size=need("hidden_size", "hidden_size"),
         num_experts=need("num_experts", "n_routed_experts", "num_experts", "num_local_experts"),
         top_k=need("top_k", "num_experts_per_tok", "moe_topk"),
-        num_ubatches=int(ubatches),
-        num_layers=None if layers is None else int(layers),
-        bucket=None if extra.get("bucket") is None else int(extra["bucket"]),
-        dtype=dtype, receive_layout=layout, device=extra.get("device"),
-        num_sms=int(extra.get("num_sms", 24)),
-        timeout_s=float(extra.get("timeout_s", 100.0)),
+        num_ubatches=ubatches,
+        num_layers=setting("num_layers", 1, hf_names=("num_hidden_layers",)),
+        bucket=setting("bucket", 1, capacity, why=" (at most capacity_tokens_per_rank; "
+                       "absent: the capacity)"),
+        dtype=dtype, receive_layout=layout, device=device,
+        num_sms=24 if extra.get("num_sms") is None else setting("num_sms", 1),
+        timeout_s=100.0 if timeout_s is None else _seconds_setting(
+            "extra_config['timeout_s']", timeout_s),
         host=str(_get(afd, "host", "afd_host", default="127.0.0.1")),
-        port=int(_get(afd, "port", "afd_port", default=29600)))
+        port=_int_setting(port_key, port, *_PORTS))
 
 
 # ---- the connector ----------------------------------------------------------------------------
@@ -354,7 +494,8 @@ class AfdepConnector:
         self.role = self.settings.role
         self.num_ubatches = self.settings.num_ubatches
         self.bucket = self.config.check_bucket(
-            self.settings.bucket or self.config.capacity_tokens_per_rank)
+            self.config.capacity_tokens_per_rank if self.settings.bucket is None
+            else self.settings.bucket)
         self._group = group
         self.buffer = None
         self._initialized = False
@@ -451,8 +592,14 @@ class AfdepConnector:
                                   f"{self.role} rank")
 
     def _slot(self, ubatch_idx) -> int:
-        if isinstance(ubatch_idx, bool) or not isinstance(ubatch_idx, int):
-            raise TypeError(f"ubatch_idx must be an int, got {type(ubatch_idx).__name__}")
+        """``ubatch_idx`` checked, type first (never converted: True or 0.7 are refused, not
+        read as slot 1 or 0): an int (or an integer scalar such as numpy's) in
+        [0, num_ubatches)."""
+        if isinstance(ubatch_idx, (bool, torch.Tensor)) or \
+                not isinstance(ubatch_idx, numbers.Integral):
+            raise TypeError(f"ubatch_idx must be an int in [0, {self.num_ubatches}) "
+                            f"(num_ubatches), got {type(ubatch_idx).__name__} {ubatch_idx!r}")
+        ubatch_idx = int(ubatch_idx)
         if not 0 <= ubatch_idx < self.num_ubatches:
             raise ValueError(f"ubatch_idx must be in [0, {self.num_ubatches}) "
                              f"(num_ubatches), got {ubatch_idx}")
@@ -461,12 +608,25 @@ class AfdepConnector:
     # ---- Attention ------------------------------------------------------------------------
     def send_attn_output(self, hidden_states: torch.Tensor, metadata=None,
                          ubatch_idx: Optional[int] = None, **kwargs) -> AfdepSendHandle:
-        """Dispatch this micro-batch's tokens ``hidden_states [T, H]`` with the routing in
-        ``metadata`` / ``kwargs`` (topk_ids | topk_idx, topk_weights) on slot ``ubatch_idx``."""
+        """Dispatch this micro-batch's tokens on slot ``ubatch_idx``.
+
+        Arguments:
+            hidden_states: [T, H] float (cast to bfloat16, or quantized per 128 for FP8
+                exchanges), or float8_e4m3fn with ``scale`` [T, H/128] float32.
+            metadata: object or mapping with the routing (keyword arguments override):
+                ``topk_ids`` (or ``topk_idx``) [T, k] integer dtype (int32 / int64; other
+                integer dtypes are widened to int64), global expert ids or -1;
+                ``topk_weights`` [T, k] float (cast to float32); optionally ``ubatch_idx`` /
+                ``stage_idx``, ``layer_idx`` and ``scale``.
+            ubatch_idx: the micro-batch slot, an int in [0, num_ubatches) (default: the
+                metadata's, else 0).
+        Returns:
+            the ``AfdepSendHandle`` (route [T] int64) for ``recv_ffn_output``.
+        """
         self._require(ATTENTION, "send_attn_output")
         if ubatch_idx is None:
             ubatch_idx = _get(metadata, "ubatch_idx", "stage_idx", default=0)
-        slot = self._slot(int(ubatch_idx))
+        slot = self._slot(ubatch_idx)
         if slot in self._sent:
             raise AfdepStateError(f"send_attn_output: ubatch {slot} was sent and not received "
                                   "yet (call recv_ffn_output for it first)")
@@ -477,11 +637,20 @@ class AfdepConnector:
         if ids is None or w is None:
             raise ValueError("send_attn_output needs the routing: topk_ids (or topk_idx) "
                              "[T, k] and topk_weights [T, k], in metadata or as keywords")
+        if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or \
+                ids.is_floating_point() or ids.is_complex():
+            what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(f"topk_ids (topk_idx) must be an integer tensor [T, k] (int32 or "
+                            f"int64 expert ids, -1 = none; never truncated from floats), got "
+                            f"{what}")
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            what = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
+            raise TypeError(f"topk_weights must be a floating-point tensor [T, k], got {what}")
         scales = kwargs.get("scale", kwargs.get("x_scales", _get(metadata, "scale",
                                                                   "x_scales")))
         x, scales = self._payload(hidden_states, scales)
         if ids.dtype not in (torch.int32, torch.int64):
-            ids = ids.to(torch.int64)
+            ids = ids.to(torch.int64)  # int8/int16/uint8: exact
         route = _ops.afd_dispatch(x, ids.contiguous(), w.to(torch.float32).contiguous(),
                                   group=self.buffer.group_name, buffer_id=self.buffer.buffer_id,
                                   bucket=self.bucket, x_scales=scales, slot=slot)
@@ -510,6 +679,8 @@ class AfdepConnector:
         ``recv_ffn_output`` of the same ubatch (the next layer), so consume or copy it first."""
         self._require(ATTENTION, "recv_ffn_output")
         dest = handle if isinstance(handle, torch.Tensor) else None
+        if ubatch_idx is not None:
+            ubatch_idx = self._slot(ubatch_idx)
         if isinstance(handle, AfdepSendHandle):
             if ubatch_idx is not None and ubatch_idx != handle.ubatch_idx:
                 raise AfdepStateError(f"handle is from ubatch {handle.ubatch_idx}, not "
@@ -520,7 +691,7 @@ class AfdepConnector:
                 raise AfdepStateError(f"recv_ffn_output: pass ubatch_idx ({len(self._sent)} "
                                       "micro-batches are in flight)")
             ubatch_idx = next(iter(self._sent))
-        slot = self._slot(int(ubatch_idx))
+        slot = self._slot(ubatch_idx)
         sent = self._sent.get(slot)
         if sent is None:
             raise AfdepStateError(f"recv_ffn_output: nothing was sent on ubatch {slot}")
@@ -553,7 +724,7 @@ class AfdepConnector:
             until ``send_ffn_output``), the metadata carrying topk_ids / topk_weights [N, k].
         """
         self._require(FFN, "recv_attn_output")
-        slot = self._next_slot if ubatch_idx is None else self._slot(int(ubatch_idx))
+        slot = self._next_slot if ubatch_idx is None else self._slot(ubatch_idx)
         if slot in self._open:
             raise AfdepStateError(f"recv_attn_output: ubatch {slot} was received and not "
                                   "answered yet (call send_ffn_output for it first)")
@@ -598,13 +769,15 @@ class AfdepConnector:
             None.
         """
         self._require(FFN, "send_ffn_output")
+        if ubatch_idx is not None:
+            ubatch_idx = self._slot(ubatch_idx)
         if not isinstance(metadata, AfdepFfnMetadata):
             if ubatch_idx is None and len(self._open) == 1:
                 ubatch_idx = next(iter(self._open))
-            if ubatch_idx is None or self._slot(int(ubatch_idx)) not in self._open:
+            if ubatch_idx is None or ubatch_idx not in self._open:
                 raise AfdepStateError("send_ffn_output: pass the metadata recv_attn_output "
                                       "returned (or the ubatch_idx of an open exchange)")
-            metadata = self._open[int(ubatch_idx)]
+            metadata = self._open[ubatch_idx]
         elif ubatch_idx is not None and ubatch_idx != metadata.ubatch_idx:
             raise AfdepStateError(f"metadata is from ubatch {metadata.ubatch_idx}, not "
                                   f"{ubatch_idx}")
@@ -613,12 +786,24 @@ class AfdepConnector:
             raise AfdepStateError(f"send_ffn_output: ubatch {slot} has no open exchange for "
                                   "this metadata (already answered?)")
         rows = ffn_output
-        if metadata.receive_layout == "tokens":
-            n = self.config.token_rows(self.bucket)
-            if tuple(rows.shape) != (n, self.config.hidden_size):
-                raise ValueError(f"send_ffn_output (token layout): ffn_output must be [{n}, "
-                                 f"{self.config.hidden_size}] (one row per received row), got "
-                                 f"{list(rows.shape)}")
+        tokens = metadata.receive_layout == "tokens"
+        # The shape the receive gave (static per bucket): one output row per received row.
+        n = self.config.token_rows(self.bucket) if tokens else self.config.recv_rows(self.bucket)
+        h = self.config.hidden_size
+        layout = "token layout" if tokens else "expert layout"
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"send_ffn_output ({layout}): ffn_output must be a torch.Tensor "
+                            f"[{n}, {h}], got {type(rows).__name__}")
+        if tuple(rows.shape) != (n, h):
+            raise ValueError(f"send_ffn_output ({layout}): ffn_output must be [{n}, {h}] (one "
+                             f"row per received row), got {list(rows.shape)}")
+        if not rows.is_floating_point():
+            raise TypeError(f"send_ffn_output: ffn_output must have a floating-point dtype, "
+                            f"got {rows.dtype}")
+        if rows.device != self.buffer.device:
+            raise ValueError(f"send_ffn_output: ffn_output must be on {self.buffer.device} "
+                             f"(the buffer's device), got {rows.device}")
+        if tokens:
             if not metadata.weights_applied:
                 raise ValueError("send_ffn_output (token layout): the rows are each token's "
                                  "weighted sum over its experts, so the model applies "
