@@ -285,8 +285,9 @@ class SwiGLUExperts(torch.nn.Module):
             ok = grouped_mm_supported(self.w13.device, dtype)
             grouped_mm_supported(self.w13.device, dtype, traced=True)  # probe now, not later
             if method == "grouped" and not ok:
-                raise RuntimeError(f"torch._grouped_mm does not run for {dtype} on "
-                                   f"{self.w13.device.type}; use method='dense' or 'loop'")
+                raise ValueError(f"method='grouped' needs torch._grouped_mm, which does not "
+                                 f"run for {dtype} on {self.w13.device.type} here; use "
+                                 f"method='auto', 'dense' or 'loop'")
 
     @torch.no_grad()
     def load(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:

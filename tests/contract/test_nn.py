@@ -436,6 +436,9 @@ def test_load_weights_checks_shapes_and_keeps_the_weights(no_exchange):
     ({"method": None}, ValueError, r"method must be one of .*got None"),
     ({"dtype": torch.int32}, TypeError, r"dtype must be one of .*got torch\.int32"),
     ({"dtype": torch.float8_e4m3fn}, TypeError, r"dtype must be one of .*float8_e4m3fn"),
+    # (torch._grouped_mm has no float64 kernel on CPU)
+    ({"dtype": torch.float64, "method": "grouped"}, ValueError,
+     r"method='grouped' needs torch\._grouped_mm, which does not run for torch\.float64 on cpu"),
 ])
 def test_swiglu_experts_constructor_checks_arguments(kwargs, exc, match):
     from torch_afdep.nn import SwiGLUExperts
