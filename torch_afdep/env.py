@@ -228,6 +228,10 @@ _OTHERS = (
             "GPU tests: the Attention waits this long before combining", AT_TESTS),
     Setting("AFDEP_TEST_BUFFERS", "int", 1000,
             "GPU lifecycle test: buffers created and closed", AT_TESTS),
+    Setting("AFDEP_FUZZ_SEEDS", "int", 0,
+            "tests/contract/test_fuzz.py runs seeds 0..N-1 (0: its default count)", AT_TESTS),
+    Setting("AFDEP_FUZZ_SEED", "str", "",
+            "tests/contract/test_fuzz.py runs only these comma-separated seeds", AT_TESTS),
     Setting("AFDEP_GPU_BODIES_ON_CPU", "bool", 0,
             "import the GPU test bodies without a GPU (smoke tests)", AT_TESTS),
 )

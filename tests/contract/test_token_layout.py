@@ -15,7 +15,7 @@ import torch
 import torch_afdep as ta
 from torch_afdep import reference as ref
 
-from tests.helpers import devices
+from tests.helpers import checks, devices
 
 LAYOUTS = {"1A1F": (1, 1), "2A2F": (2, 2), "3A1F": (3, 1), "1A3F": (1, 3), "4A2F": (4, 2)}
 BUCKET = 8
@@ -46,66 +46,6 @@ def _plan():
     """(slot, tokens per Attention index, api) of each exchange."""
     return [(0, [0, 1, 7, BUCKET], "buffer"), (1, [BUCKET, 7, 1, 0], "functional"),
             (0, [7, 0, BUCKET, 1], "compiled"), (1, [1, BUCKET, 0, 7], "buffer")]
-
-
-def _check_rows(cfg, f, rec, inputs, bucket):
-    """Every row of an FFN's token receive against the inputs; returns problems (empty: ok)."""
-    problems = []
-    rps, el, k = cfg.rows_per_source(bucket), cfg.experts_per_rank, cfg.top_k
-    n_rows = cfg.token_rows(bucket)
-    for name, t, shape in (("x", rec.x, (n_rows, cfg.hidden_size)),
-                           ("expert_ids", rec.expert_ids, (n_rows, k)),
-                           ("weights", rec.weights, (n_rows, k)), ("src_token", rec.src_token,
-                                                                   (n_rows,))):
-        if tuple(t.shape) != shape:
-            problems.append(f"{name} shape {tuple(t.shape)} != {shape}")
-    if problems:
-        return problems
-    ids, w = rec.expert_ids.cpu(), rec.weights.cpu()
-    tok, srank = rec.src_token.cpu(), rec.src_rank.cpu()
-    x = rec.x.cpu()
-    xs = None if rec.x_scales is None else rec.x_scales.cpu()
-    for a, inp in enumerate(inputs):
-        lid = ref.local_expert_ids(inp.expert_ids.cpu(), f, el)
-        want = (lid >= 0).any(dim=1).nonzero().flatten().tolist()
-        n = int(rec.num_tokens[a])
-        block = range(a * rps, (a + 1) * rps)  # the source's rows, in no promised order
-        rows = [r for r in block if int(tok[r]) >= 0]
-        got = [int(tok[r]) for r in rows]
-        if len(rows) != n or sorted(got) != want or len(set(got)) != len(got):
-            problems.append(f"source {a}: tokens {got} (num_tokens {n}), want each of {want} "
-                            "once")
-            continue
-        for r in rows:
-            t = int(tok[r])
-            if int(srank[r]) != cfg.attention_group_ranks[a]:
-                problems.append(f"row {r}: src_rank {int(srank[r])}")
-            if not torch.equal(x[r].view(torch.uint8), inp.x[t].cpu().view(torch.uint8)):
-                problems.append(f"row {r}: payload of token {t} differs")
-            if xs is not None and not torch.equal(xs[r], inp.x_scales[t].cpu()):
-                problems.append(f"row {r}: scales of token {t} differ")
-            if not torch.equal(ids[r].to(torch.int64), lid[t]):
-                problems.append(f"row {r}: ids {ids[r].tolist()} != {lid[t].tolist()}")
-            want_w = torch.where(lid[t] >= 0, inp.weights[t].cpu(), 0.0)
-            if not torch.equal(w[r], want_w):
-                problems.append(f"row {r}: weights {w[r].tolist()} != {want_w.tolist()}")
-        empty = [r for r in block if int(tok[r]) < 0]
-        if empty and not (bool((ids[empty] == -1).all()) and bool((srank[empty] == -1).all())):
-            problems.append(f"source {a}: rows without a token are not all -1")
-    return problems
-
-
-def _moe_rows(cfg, f, rec):
-    """The caller's MoE in the token layout: row i = sum_j w[i, j] * expert(ids[i, j], x[i])
-    over the local ids; rows without a token are NaN (poison: the reply must ignore them)."""
-    xf = ref.dequantize(rec.x.cpu(), None if rec.x_scales is None else rec.x_scales.cpu())
-    ids, w = rec.expert_ids.cpu().to(torch.int64), rec.weights.cpu().to(torch.float64)
-    out = torch.zeros_like(xf)
-    for e in torch.unique(ids[ids >= 0]).tolist():
-        r, j = (ids == e).nonzero(as_tuple=True)
-        out.index_add_(0, r, _expert(f * cfg.experts_per_rank + e, xf[r]) * w[r, j, None])
-    out[~(ids >= 0).any(dim=1)] = float("nan")
-    return out.to(torch.bfloat16).to(rec.x.device)
 
 
 def token_world(rank, world, a_n, f_n, dtype_name, device):
@@ -145,9 +85,9 @@ def token_world(rank, world, a_n, f_n, dtype_name, device):
                     rec = buf.worker_receive(BUCKET, slot=slot)
                 assert isinstance(rec, ta.TokenReceived)
                 out["problems"] += [f"step {step}: {p}" for p in
-                                    _check_rows(cfg, f, rec, inputs, BUCKET)]
+                                    checks.check_token_rows(cfg, f, rec, inputs, BUCKET)]
                 out["views"].add((slot, rec.x.data_ptr()))
-                rows = _moe_rows(cfg, f, rec)
+                rows = checks.token_moe_rows(cfg, f, rec, _expert)
                 if api == "functional":
                     ta.afd_reply(rows, rec.receipt)
                 else:

@@ -15,6 +15,7 @@ host; received and returned tensors may be on any device (they are copied to the
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import List
 
 import torch
 
@@ -143,7 +144,9 @@ def check_received(cfg, f: int, rec, inputs, bucket=None, ordered=False) -> int:
         assert torch.equal(got_w, want_w), f"weights from a={a} (first occurrence's)"
         assert torch.equal(h.x[:n][m].view(bits), x[t].view(bits)), f"payload from a={a}"
         if sc is not None:
-            assert torch.equal(h.x_scales[:n][m], sc[t]), f"scales from a={a}"
+            # bits, not values: a NaN scale must arrive as the same NaN
+            assert torch.equal(h.x_scales[:n][m].contiguous().view(torch.int32),
+                               sc[t].contiguous().view(torch.int32)), f"scales from a={a}"
     # the receipt maps every (source, token) back to its rows
     for a in range(cfg.attention_ranks):
         reach = (cids[a] >= lo_e) & (cids[a] < hi_e)
@@ -166,6 +169,94 @@ def check_received(cfg, f: int, rec, inputs, bucket=None, ordered=False) -> int:
         tok_of = ti[:, None].expand(-1, rpt)[valid]
         assert torch.equal(st[rows], tok_of), f"token_rows[{a}] point at another token"
     return n
+
+
+# ---- the token layout: what an FFN rank received, and its MoE rows ------------------------
+def check_token_rows(cfg, f: int, rec, inputs, bucket: int) -> List[str]:
+    """Every row of FFN index ``f``'s token-layout receive against ``inputs`` (one
+    ``reference.Inputs`` per Attention index, on the host): shapes and dtypes, the receipt,
+    every routed token once in its source's block with its exact payload and scales, local
+    ids in the source's column order, the first occurrences' weights, rows without a token
+    all -1 with weights 0. Returns the problems (empty: all right)."""
+    inputs = [ref.Inputs(*(None if t is None else t.cpu() for t in inp)) for inp in inputs]
+    problems = []
+    rps, el, k = cfg.rows_per_source(bucket), cfg.experts_per_rank, cfg.top_k
+    n_rows = cfg.token_rows(bucket)
+    want_shapes = [("x", rec.x, (n_rows, cfg.hidden_size), cfg.dtype),
+                   ("expert_ids", rec.expert_ids, (n_rows, k), torch.int32),
+                   ("weights", rec.weights, (n_rows, k), torch.float32),
+                   ("src_rank", rec.src_rank, (n_rows,), torch.int32),
+                   ("src_token", rec.src_token, (n_rows,), torch.int32),
+                   ("num_tokens", rec.num_tokens, (cfg.attention_ranks,), torch.int32)]
+    if cfg.scale_cols:
+        want_shapes.append(("x_scales", rec.x_scales, (n_rows, cfg.scale_cols), torch.float32))
+    elif rec.x_scales is not None:
+        problems.append("x_scales is not None for a BF16 payload")
+    for name, t, shape, dtype in want_shapes:
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            problems.append(f"{name}: {None if t is None else (tuple(t.shape), t.dtype)}, "
+                            f"want {(shape, dtype)}")
+    r = rec.receipt
+    if r.bucket != bucket or not torch.equal(r.src_token.cpu(), rec.src_token.cpu()) or (
+            not torch.equal(r.num_tokens.cpu(), rec.num_tokens.cpu())):
+        problems.append("receipt disagrees with the receive (bucket, src_token, num_tokens)")
+    if problems:
+        return problems
+    ids, w = rec.expert_ids.cpu(), rec.weights.cpu()
+    tok, srank = rec.src_token.cpu(), rec.src_rank.cpu()
+    x = rec.x.cpu()
+    xs = None if rec.x_scales is None else rec.x_scales.cpu()
+    bits = torch.int16 if cfg.dtype == torch.bfloat16 else torch.uint8
+    for a, inp in enumerate(inputs):
+        lid = ref.local_expert_ids(inp.expert_ids, f, el)
+        want = (lid >= 0).any(dim=1).nonzero().flatten().tolist()
+        n = int(rec.num_tokens[a])
+        block = range(a * rps, (a + 1) * rps)  # the source's rows, in no promised order
+        rows = [i for i in block if int(tok[i]) >= 0]
+        got = [int(tok[i]) for i in rows]
+        if len(rows) != n or sorted(got) != want or len(set(got)) != len(got):
+            problems.append(f"source {a}: tokens {got} (num_tokens {n}), want each of {want} "
+                            "once")
+            continue
+        for i in rows:
+            t = int(tok[i])
+            if int(srank[i]) != cfg.attention_group_ranks[a]:
+                problems.append(f"row {i}: src_rank {int(srank[i])}, want "
+                                f"{cfg.attention_group_ranks[a]}")
+            if not torch.equal(x[i].view(bits), inp.x[t].view(bits)):
+                problems.append(f"row {i}: payload of source {a} token {t} differs")
+            if xs is not None and not torch.equal(xs[i].view(torch.int32),
+                                                  inp.x_scales[t].view(torch.int32)):
+                problems.append(f"row {i}: scales of source {a} token {t} differ")
+            if not torch.equal(ids[i].to(torch.int64), lid[t]):
+                problems.append(f"row {i} (source {a} token {t}): ids {ids[i].tolist()} != "
+                                f"{lid[t].tolist()} (input ids {inp.expert_ids[t].tolist()})")
+            want_w = torch.where(lid[t] >= 0, inp.weights[t], 0.0)
+            if not torch.equal(w[i].view(torch.int32), want_w.view(torch.int32)):
+                problems.append(f"row {i} (source {a} token {t}): weights {w[i].tolist()} != "
+                                f"{want_w.tolist()}")
+        empty = [i for i in block if int(tok[i]) < 0]
+        if empty and not (bool((ids[empty] == -1).all()) and bool((srank[empty] == -1).all())):
+            problems.append(f"source {a}: rows without a token are not all -1 (ids, src_rank)")
+        if empty and not bool((w[empty] == 0).all()):
+            problems.append(f"source {a}: rows without a token have nonzero weights")
+    return problems
+
+
+def token_moe_rows(cfg, f: int, rec, expert=None) -> torch.Tensor:
+    """The caller's MoE in the token layout, with ``expert(global id, rows)`` (default
+    ``tanh_expert``): row i = sum over token i's local ids j of w[i, j] * expert(ids[i, j],
+    x[i]) in fp64; rows without a token (src_token -1) are NaN: the reply must ignore them."""
+    expert = tanh_expert if expert is None else expert
+    xf = ref.dequantize(rec.x.cpu(), None if rec.x_scales is None else rec.x_scales.cpu())
+    ids, w = rec.expert_ids.cpu().to(torch.int64), rec.weights.cpu().to(torch.float64)
+    out = torch.zeros_like(xf)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        r, j = (ids == e).nonzero(as_tuple=True)
+        out.index_add_(0, r, expert(f * cfg.experts_per_rank + e, xf[r])
+                       * w[r, j, None])
+    out[rec.src_token.cpu() < 0] = float("nan")
+    return out.to(torch.bfloat16).to(rec.x.device)
 
 
 # ---- what an Attention rank got back -----------------------------------------------------
