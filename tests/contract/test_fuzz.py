@@ -23,8 +23,10 @@ bfloat16, and the ops' route) against the fp64 reference ``reference.moe_output`
 error < 1e-2, allclose 3e-2, zeros for tokens without an expert, nothing non-finite). Every
 slot is idle after each exchange.
 
-``NUM_CONFIGS`` = 64 seeds (0..63: 256 exchanges) plus ``REGRESSION_SEEDS`` run, grouped by
-world size: one spawned world per size (one test each) runs its configurations one after
+``NUM_CONFIGS`` = 64 seeds (0..63: 256 exchanges) plus ``REGRESSION_SEEDS`` run on CPU, and
+on CUDA (the GPU suite: ranks share one GPU under MPS, or one GPU each) the first
+``GPU_CONFIGS`` = 24 of them, where the kernels meet sizes the enumerated GPU cases do not
+(E_local 1, 2, 3, 5, 6; hidden 8, 16, 136; num_sms 1..4), grouped by world size: one spawned world per size (one test each) runs its configurations one after
 another (a Buffer each, closed after it); about 10 s in all on 2 CPUs, most of it world
 starts (200 seeds: about 14 s). ``test_default_seeds_cover_the_edges`` asserts, from the
 draws alone, that the default seeds reach every feature above. A failure names the seed, the
@@ -48,6 +50,10 @@ from tests.helpers.devices import spawn_on
 
 #: Configurations of a default run: seeds 0..NUM_CONFIGS-1.
 NUM_CONFIGS = 64
+
+#: Configurations of a default run on CUDA (seeds 0..GPU_CONFIGS-1): each builds its own
+#: registered buffers, and the ranks share one GPU under MPS on the lent machine.
+GPU_CONFIGS = 24
 
 #: Seeds kept because they once failed (run in every default run).
 REGRESSION_SEEDS: list = []
@@ -103,10 +109,11 @@ def test_default_seeds_cover_the_edges():
     assert want <= seen, sorted(want - seen)
 
 
-@pytest.mark.devices("cpu")
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fuzz_exchanges(world, device):
     seeds = WORLDS.get(world, [])
+    if device == "cuda" and not (env.get("AFDEP_FUZZ_SEEDS") or env.get("AFDEP_FUZZ_SEED")):
+        seeds = [s for s in seeds if s < GPU_CONFIGS or s in REGRESSION_SEEDS]
     if not seeds:
         pytest.skip(f"no seed of this run has world size {world}")
     results = spawn_on(device, fz.fuzz_world, world, seeds,
