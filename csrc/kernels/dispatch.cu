@@ -39,7 +39,7 @@ __host__ __device__ __forceinline__ bool ll_exchange(const Layout& L, const Disp
 // (its stride is then ceil(bucket / S), dispatch_stride); only the small forms send or take
 // them (dispatch_form), so the generic kernel never sees such an exchange.
 __host__ __device__ __forceinline__ bool llx_exchange(const Layout& L, const DispatchArgs& a) {
-  return L.llx && units_fit(L, a.stride);
+  return L.llx && a.stride <= kLLXTokens && units_fit(L, a.stride);
 }
 
 // Units of region (src_idx, ch) in a window: [0] token count, [1] ahead | bucket << kAheadBits,

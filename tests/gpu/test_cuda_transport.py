@@ -393,17 +393,18 @@ def test_registered_bytes_per_role():
 
 
 # AFDEP_LL_EXPERTS (experimental, off by default): the expert layout's dispatch as flagged
-# units when a channel holds at most 2 tokens (bucket <= 2 x num_sms = 48; the FFN's receive
-# in kUnitExpRecv), the count form above that (the FFN's count-form receive then also watches
+# units when a channel holds one token (bucket <= num_sms = 24; the FFN's receive in
+# kUnitExpRecv), the count form above that (the FFN's count-form receive then also watches
 # for units, kCountRecvLL), back to back in one plan
 LLX = {"AFDEP_LL_EXPERTS": "1"}
 
 
 def llx_plan(A):
-    """tokens_plan at capacity 128 (buckets 128: the count form; 8: units), then buckets 48
-    (every channel 2 tokens at T = 48), 2 and 48 again (units)."""
+    """tokens_plan at capacity 128 (buckets 128: the count form; 8: units), then buckets 24
+    (every channel one token at T = 24: units), 2 (units) and 48 (two tokens a channel: the
+    count form)."""
     return tokens_plan(A, 128) + [
-        (48, [(48, 1, 7)[a % 3] for a in range(A)], "random"),
+        (24, [(24, 1, 7)[a % 3] for a in range(A)], "random"),
         (2, [(1, 2, 0)[a % 3] for a in range(A)], "skewed"),
         (48, [(0, 48, 33)[a % 3] for a in range(A)], "partial"),
     ]
@@ -427,9 +428,9 @@ def test_ll_experts_eager(layout, dtype):
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_ll_experts_graph_replays(dtype, bucket, tokens):
-    """AFDEP_LL_EXPERTS=1, 100 checked graph replays around the units' edge (bucket 8 and 48:
-    units; 49: the count form, whose receive watches for units)."""
-    units = bucket <= 48
+    """AFDEP_LL_EXPERTS=1, 100 checked graph replays around the units' edge (bucket 8: units;
+    48, two tokens a channel, and 49: the count form, whose receive watches for units)."""
+    units = bucket <= 24
     graph_replays_1a1f(dtype, bucket, tokens, LLX, 9400,
                        forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
                               ("kSmallSend" if units else "kCountSend", None)))
@@ -438,17 +439,19 @@ def test_ll_experts_graph_replays(dtype, bucket, tokens):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_ll_experts_sanitizer_small(dtype):
     """Small 1A1F exchanges with AFDEP_LL_EXPERTS=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 32 and 8, the count form at 64."""
+    scripts/gpu_suite.sh): units at buckets 24 and 8, the count form at 64 and 48."""
     kw = cfg_kw("1A1F", 64, 1024, dtype)
-    run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (64, [64], "random"),
-                     (8, [1], "skewed"), (32, [0], "random")], env=LLX, seed=23)
+    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                     (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random")], env=LLX,
+        seed=23)
 
 
-# AFDEP_EARLY_COLLECT (experimental, off by default): the collect of flagged reply units
-# (T <= 2 x num_sms = 48, either layout) without a barrier between its waits and its rows
-# (kEarlyCollect): each lane polls its vector's units together with its FFN rank's start
-# units. At bucket 128 the FFN replies in the count form to a collect at T <= 48 (the lanes
-# find the completion count instead of units), at buckets 48 and 2 in units.
+# AFDEP_EARLY_COLLECT (experimental, off by default): the collect of flagged reply units at
+# T <= num_sms = 24 (either layout; T up to 2 x num_sms collects units in kSmallRecv) without
+# a barrier between its waits and its rows (kEarlyCollect): each lane polls its vector's units
+# together with its FFN rank's start units. At bucket 128 the FFN replies in the count form to
+# a collect at T <= 24 (the lanes find the completion count instead of units), at buckets 48,
+# 24 and 2 in units.
 EARLY_COLLECT = {"AFDEP_EARLY_COLLECT": "1"}
 
 
@@ -457,8 +460,9 @@ EARLY_COLLECT = {"AFDEP_EARLY_COLLECT": "1"}
                                           ("1A3F", "bfloat16")])
 def test_early_collect_eager(layout, dtype):
     """AFDEP_EARLY_COLLECT=1: every exchange of llx_plan exact on every rank (T 0, 1, 7 at
-    bucket 128: the count form; T up to 48 at bucket 48 and 2: units; several FFN ranks'
-    units summed in 2A2F and 1A3F), the control on in every rank's transport."""
+    bucket 128: the count form; T up to 24 at buckets 24 and 2: units in kEarlyCollect; T 33
+    and 48 at bucket 48: units in kSmallRecv; several FFN ranks' units summed in 2A2F and
+    1A3F), the control on in every rank's transport."""
     A = LAYOUTS[layout][1]
     res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_COLLECT,
               seed=29)
@@ -472,9 +476,11 @@ def test_early_collect_eager(layout, dtype):
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_early_collect_graph_replays(dtype, bucket, tokens):
     """AFDEP_EARLY_COLLECT=1, 100 checked graph replays around the reply units' edge (bucket 8
-    and 48: units; 49: the count form, which the lanes take from the completion count)."""
+    and 48: units; 49: the count form, which the lanes take from the completion count); the
+    collect at T = 48 > num_sms takes kSmallRecv."""
     graph_replays_1a1f(dtype, bucket, tokens, EARLY_COLLECT, 9500,
-                       forms=((None, None), (None, "kEarlyCollect")))
+                       forms=((None, None), (None, "kEarlyCollect" if tokens <= 24
+                                             else "kSmallRecv")))
 
 
 def test_early_collect_sanitizer_small():

@@ -130,7 +130,9 @@ def test_units_hostile_graph_replays(layout, control):
     Attention rank after the replays that had them, every valid entry exact on every rank,
     NaN / Inf passed through, tokens without a route giving zeros."""
     scen = SCEN_LLX[layout]
-    stats = run(layout, kw(layout, cap=48), scen, seed=9, env={control: "1"})
+    # 48 sender channels: one token each at bucket 48 (AFDEP_LL_EXPERTS' units), and every
+    # collect at T <= num_sms (AFDEP_EARLY_COLLECT's form)
+    stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env={control: "1"})
     for s in stats:
         assert s["checked"] == _replays(scen), s
         # the control's path ran (bucket 48: units), not the default one
@@ -154,12 +156,13 @@ def test_graph_duplicate_ids(layout, experts, llx):
     expert), and the output is exact against the deduplicated routing. In the E=8 case
     (E_local = 4 < top_k = 8, so R = 4) duplicates also push a token past R entries on one
     FFN rank (the kernel's clipping path); an AfdepRouteError there is allowed but the data
-    must still follow the contract. With AFDEP_LL_EXPERTS (llx) at capacity 48 the dispatch
-    goes as flagged units, whose entry layout holds R = 4 entries here, not top_k."""
+    must still follow the contract. With AFDEP_LL_EXPERTS (llx) at capacity 48 over 48
+    channels the dispatch goes as flagged units, whose entry layout holds R = 4 entries here,
+    not top_k."""
     A = LAYOUTS[layout][1]
     if llx:
         scen = [sc("dups", [48] * A, 10), sc("dups", [33, 1][:A], 4, "int32")]
-        stats = run(layout, kw(layout, cap=48, experts=experts), scen, seed=5,
+        stats = run(layout, kw(layout, cap=48, experts=experts, sms=48), scen, seed=5,
                     env={"AFDEP_LL_EXPERTS": "1"})
     else:
         scen = [sc("dups", [128] * A, 10), sc("dups", [33] * A, 4, "int32")]

@@ -609,10 +609,9 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
     default): the collect's row warps poll their reply units together with the FFN ranks'
     start units, with no barrier between (kEarlyCollect); several FFN ranks' rows summed in
     2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F. At
-    bucket CAP the FFN replies in the count form, and the third Attention rank's graph (T = 3
-    <= 2 x SMS) still runs kEarlyCollect: its lanes find the completion count, fence and read
-    the inbox rows that its zero-copy view returns (the eager plan's T = 0 and 1 exchanges
-    meet the count form too, collected into a copy)."""
+    bucket CAP the FFN replies in the count form: the eager plan's T = 0 and 1 exchanges
+    (<= SMS: kEarlyCollect) meet it, their lanes finding the completion count, fencing and
+    reading the inbox rows; a graph's T = 3 (> SMS) collect runs kSmallRecv."""
     test_token_layout_graphs(layout, dtype_name,
                              env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=cap,
                              zero_copy=True, attention_form="kEarlyCollect")

@@ -97,6 +97,13 @@ constexpr uint32_t kLLNeeds = F_LL_SMALL | F_EARLY_LOADS | kDirectional;
 // The expert layout's dispatch units (Layout::llx): only the small kernel forms hold them (the
 // generic kernel does not), and their regions are indexed by Attention index (role buffers).
 constexpr uint32_t kLLExpertNeeds = F_LL_EXPERTS | F_SMALL_KERNELS | F_ROLE_BUFFERS | kLLNeeds;
+// ... and only where a channel holds one token (bucket <= S): with two (1A1F H4096 BF16 on
+// one H200, T = 32 and 48) they were 4% and 11% slower than the count form, with one (T = 1
+// and 7) 12% faster (session 30)
+constexpr int kLLXTokens = 1;
+// AFDEP_EARLY_COLLECT's form only where the collect's T <= S (one token per row warp group):
+// at T = 48 it was 1% (token layout) and 5% (expert layout) slower than kSmallRecv
+constexpr int kEarlyCollectTokensPerSm = 1;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
 // benchmarks of record)
