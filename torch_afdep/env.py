@@ -153,8 +153,8 @@ _CONTROLS = (
              "num_sms CTAs wait and place, the others leave at once; the same outputs; 0 = "
              "every CTA waits for every header, then a barrier, then the rows"),
     _control("AFDEP_LL_EXPERTS", 19, 0,
-             "experimental, off by default (written, not yet run on a GPU): the expert "
-             "layout's dispatch at small buckets (the AFDEP_LL_SMALL condition) travels as "
+             "experimental, off by default: the expert layout's dispatch where a channel "
+             "holds one token (bucket <= num_sms) travels as "
              "the token layout's flagged units (count, metadata, rows, scales) instead of "
              "the payload, a fence and a count block with per-expert counts; the FFN derives "
              "each region's rows per expert from the entries' positions in the metadata "
@@ -162,8 +162,8 @@ _CONTROLS = (
              "AFDEP_SMALL_KERNELS, AFDEP_ROLE_BUFFERS, AFDEP_EARLY_LOADS and the four "
              "directional controls; 0 = the count-block path"),
     _control("AFDEP_EARLY_COLLECT", 20, 0,
-             "experimental, off by default (written, not yet run on a GPU): the collect of "
-             "flagged reply units (AFDEP_LL_SMALL, T <= 2 x num_sms, either layout): the "
+             "experimental, off by default: the collect of flagged reply units at "
+             "T <= num_sms (AFDEP_LL_SMALL's collect, either layout): the "
              "warps that hold rows poll each vector's units together with their FFN rank's "
              "start units, so a row is read in the load that sees it land, with no barrier "
              "behind the start units; one warp of CTA 0 still waits for every FFN rank's "
