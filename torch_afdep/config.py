@@ -31,12 +31,16 @@ MAX_TIMEOUT_S = 1e6
 RECEIVE_LAYOUTS = ("experts", "tokens")
 
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+def check_int_range(name: str, value, low: int, high: Optional[int] = None,
+                    why: str = "") -> int:
+    """``value`` if it is an int (not a bool) in [low, high] (``high`` None: no bound); else
+    TypeError / ValueError naming ``name``, the range (followed by ``why``) and the value."""
+    allowed = (f"in [{low}, {high}]" if high is not None else f">= {low}") + why
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int {allowed}, got {type(value).__name__} "
+                        f"{value!r}")
     if value < low or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be in {allowed}, got {value}")
+        raise ValueError(f"{name} must be {allowed}, got {value}")
     return value
 
 
@@ -93,15 +97,15 @@ class Config:
     receive_layout: str = "experts"
 
     def __post_init__(self) -> None:
-        _check_int("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
-        _check_int("hidden_size", self.hidden_size, 1, 1 << 16)
-        _check_int("num_experts", self.num_experts, 1, 1 << 16)
-        _check_int("top_k", self.top_k, 1, min(self.num_experts, 64))
-        _check_int("ffn_ranks", self.ffn_ranks, 1, MAX_FFN_RANKS)
-        _check_int("attention_ranks", self.attention_ranks, 1, 1 << 12)
-        _check_int("num_sms", self.num_sms, 1, 1024)
-        _check_int("num_slots", self.num_slots, 1, MAX_SLOTS)
-        _check_int("local_sms", self.local_sms, 0, 1024)
+        check_int_range("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1, 1 << 20)
+        check_int_range("hidden_size", self.hidden_size, 1, 1 << 16)
+        check_int_range("num_experts", self.num_experts, 1, 1 << 16)
+        check_int_range("top_k", self.top_k, 1, min(self.num_experts, 64))
+        check_int_range("ffn_ranks", self.ffn_ranks, 1, MAX_FFN_RANKS)
+        check_int_range("attention_ranks", self.attention_ranks, 1, 1 << 12)
+        check_int_range("num_sms", self.num_sms, 1, 1024)
+        check_int_range("num_slots", self.num_slots, 1, MAX_SLOTS)
+        check_int_range("local_sms", self.local_sms, 0, 1024)
         if self.receive_layout not in RECEIVE_LAYOUTS:
             raise ValueError(f"receive_layout must be one of {', '.join(RECEIVE_LAYOUTS)}, "
                              f"got {self.receive_layout!r}")
@@ -202,10 +206,10 @@ class Config:
         return self.attention_ranks * self.rows_per_source(bucket)
 
     def check_slot(self, slot: int) -> int:
-        return _check_int("slot", slot, 0, self.num_slots - 1)
+        return check_int_range("slot", slot, 0, self.num_slots - 1)
 
     def check_bucket(self, bucket: int, num_tokens: Optional[int] = None) -> int:
-        _check_int("bucket", bucket, 1, self.capacity_tokens_per_rank)
+        check_int_range("bucket", bucket, 1, self.capacity_tokens_per_rank)
         if num_tokens is not None and num_tokens > bucket:
             raise ValueError(
                 f"x has {num_tokens} tokens but bucket is {bucket}: need T <= bucket "

@@ -123,7 +123,7 @@ import torch.distributed as dist
 
 from .. import ops as _ops
 from ..config import (ATTENTION, FFN, MAX_FFN_RANKS, MAX_SLOTS, MAX_TIMEOUT_S,
-                      RECEIVE_LAYOUTS, Config, parse_layout, parse_roles)
+                      RECEIVE_LAYOUTS, Config, check_int_range, parse_layout, parse_roles)
 from ..errors import AfdepStateError
 
 CONNECTOR_NAME = "afdep"
@@ -245,9 +245,7 @@ def _int_setting(key: str, value, low: int, high: Optional[int] = None,
         if not float(value).is_integer():  # also NaN and infinity
             raise ValueError(f"{key} must be an int {allowed}, got {value!r} (not truncated)")
         v = int(value)
-    if v < low or (high is not None and v > high):
-        raise ValueError(f"{key} must be {allowed}, got {v}")
-    return v
+    return check_int_range(key, v, low, high, why)
 
 
 def _seconds_setting(key: str, value) -> float:
@@ -264,17 +262,6 @@ def _seconds_setting(key: str, value) -> float:
     if not (math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S):
         raise ValueError(f"{key} must be {allowed}, got {value!r}")
     return v
-
-
-def _check_field(name: str, value, low: int, high: Optional[int] = None,
-                 why: str = "") -> None:
-    """A ``ConnectorSettings`` int field (built directly: an int, not bool) in [low, high]."""
-    allowed = (f"in [{low}, {high}]" if high is not None else f">= {low}") + why
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int {allowed}, got {type(value).__name__} "
-                        f"{value!r}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
 def _role_ranks(role: str, n_att: int, n_ffn: int):
@@ -322,19 +309,19 @@ class ConnectorSettings:
     def __post_init__(self) -> None:
         if self.role not in (ATTENTION, FFN):
             raise ValueError(f"role must be {ATTENTION!r} or {FFN!r}, got {self.role!r}")
-        _check_field("num_attention_ranks", self.num_attention_ranks, 1)
-        _check_field("num_ffn_ranks", self.num_ffn_ranks, 1, MAX_FFN_RANKS)
+        check_int_range("num_attention_ranks", self.num_attention_ranks, 1)
+        check_int_range("num_ffn_ranks", self.num_ffn_ranks, 1, MAX_FFN_RANKS)
         n, why = _role_ranks(self.role, self.num_attention_ranks, self.num_ffn_ranks)
-        _check_field("role_rank (afd_role_rank)", self.role_rank, 0, n - 1, why)
-        _check_field("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1)
-        _check_field("num_ubatches", self.num_ubatches, 1, MAX_SLOTS)
+        check_int_range("role_rank (afd_role_rank)", self.role_rank, 0, n - 1, why)
+        check_int_range("capacity_tokens_per_rank", self.capacity_tokens_per_rank, 1)
+        check_int_range("num_ubatches", self.num_ubatches, 1, MAX_SLOTS)
         if self.num_layers is not None:
-            _check_field("num_layers", self.num_layers, 1)
+            check_int_range("num_layers", self.num_layers, 1)
         if self.bucket is not None:
-            _check_field("bucket", self.bucket, 1, self.capacity_tokens_per_rank,
+            check_int_range("bucket", self.bucket, 1, self.capacity_tokens_per_rank,
                          " (at most capacity_tokens_per_rank; None: the capacity)")
         _check_device("device", self.device)
-        _check_field("port", self.port, *_PORTS)
+        check_int_range("port", self.port, *_PORTS)
 
     @property
     def num_slots(self) -> int:
