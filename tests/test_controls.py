@@ -10,8 +10,7 @@ from torch_afdep import controls, env
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
     # experimental, off by default until an A/B shows them faster with no slow processes
-    assert experimental == ["AFDEP_SIZED_GRID", "AFDEP_EAGER_PLACE", "AFDEP_LL_EXPERTS",
-                            "AFDEP_EARLY_COLLECT"]
+    assert experimental == ["AFDEP_SIZED_GRID", "AFDEP_EAGER_PLACE"]
     assert controls.flags({}) == controls.DEFAULT
     assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(
         controls.CONTROLS[n].bit for n in experimental)

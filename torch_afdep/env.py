@@ -152,22 +152,21 @@ _CONTROLS = (
              "so a row is written one load latency after its units land; only the first "
              "num_sms CTAs wait and place, the others leave at once; the same outputs; 0 = "
              "every CTA waits for every header, then a barrier, then the rows"),
-    _control("AFDEP_LL_EXPERTS", 19, 0,
-             "experimental, off by default: the expert layout's dispatch where a channel "
-             "holds one token (bucket <= num_sms) travels as "
-             "the token layout's flagged units (count, metadata, rows, scales) instead of "
-             "the payload, a fence and a count block with per-expert counts; the FFN derives "
-             "each region's rows per expert from the entries' positions in the metadata "
-             "units and expands each row as its units land; needs AFDEP_LL_SMALL, "
-             "AFDEP_SMALL_KERNELS, AFDEP_ROLE_BUFFERS, AFDEP_EARLY_LOADS and the four "
-             "directional controls; 0 = the count-block path"),
-    _control("AFDEP_EARLY_COLLECT", 20, 0,
-             "experimental, off by default: the collect of flagged reply units at "
-             "T <= num_sms (AFDEP_LL_SMALL's collect, either layout): the "
-             "warps that hold rows poll each vector's units together with their FFN rank's "
-             "start units, so a row is read in the load that sees it land, with no barrier "
-             "behind the start units; one warp of CTA 0 still waits for every FFN rank's "
-             "reply and CTAs without rows leave at once; needs AFDEP_LL_SMALL, "
+    _control("AFDEP_LL_EXPERTS", 19, 1,
+             "the expert layout's dispatch where a channel holds one token (bucket <= "
+             "num_sms) travels as the token layout's flagged units (count, metadata, rows, "
+             "scales) instead of the payload, a fence and a count block with per-expert "
+             "counts; the FFN derives each region's rows per expert from the entries' "
+             "positions in the metadata units and expands each row as its units land; needs "
+             "AFDEP_LL_SMALL, AFDEP_SMALL_KERNELS, AFDEP_ROLE_BUFFERS, AFDEP_EARLY_LOADS and "
+             "the four directional controls; 0 = the count-block path"),
+    _control("AFDEP_EARLY_COLLECT", 20, 1,
+             "the token layout's collect of flagged reply units at T <= num_sms "
+             "(AFDEP_LL_SMALL's collect): the warps that hold rows poll each vector's units "
+             "together with their FFN rank's start units, so a row is read in the load that "
+             "sees it land, with no barrier behind the start units; one warp of CTA 0 still "
+             "waits for every FFN rank's reply and CTAs without rows leave at once (the "
+             "expert layout keeps the barrier: there it was slower); needs AFDEP_LL_SMALL, "
              "AFDEP_EARLY_LOADS, AFDEP_SMALL_KERNELS and the four directional controls; 0 = "
              "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
              "the rows"),

@@ -755,10 +755,12 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
     return kGeneric;
   const bool send = a.do_send && a.real_send && !a.do_recv;
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
-  // the collect of either layout: flagged units (F_LL_SMALL, T <= kLLTokens * S)
+  // the collect of either layout: flagged units (F_LL_SMALL, T <= kLLTokens * S); the early
+  // collect in the token layout only (layout.h kEarlyCollectTokensPerSm)
   if (recv && L.llc && a.T <= L.llc_tokens)
-    return (L.flags & F_EARLY_COLLECT) && a.T <= kEarlyCollectTokensPerSm * L.S ? kEarlyCollect
-                                                                                : kSmallRecv;
+    return (L.flags & F_EARLY_COLLECT) && L.tokens && a.T <= kEarlyCollectTokensPerSm * L.S
+               ? kEarlyCollect
+               : kSmallRecv;
   if (L.ll) {  // token layout
     if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps &&
         !L.sized)

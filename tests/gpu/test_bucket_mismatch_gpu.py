@@ -78,18 +78,21 @@ CASES = {
     "experts_counts": ({"AFDEP_LL_SMALL": "0"}, {}, EXCHANGES),
     "experts_ffn_counts": ({}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "experts_ffn_units": ({}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    # AFDEP_LL_EXPERTS (experimental): the expert layout's dispatch as units on both sides
-    # (8 channels: one token each at buckets 4 and 8), and on one side only: the FFN's count
-    # form (bucket 16) watching for the Attention's units, and the FFN's units receive seeing
-    # the Attention's count block (bucket 16)
+    # AFDEP_LL_EXPERTS (on by default; set here all the same): the expert layout's dispatch as
+    # units on both sides (8 channels: one token each at buckets 4 and 8), and on one side
+    # only: the FFN's count form (bucket 16) watching for the Attention's units, and the FFN's
+    # units receive seeing the Attention's count block (bucket 16); reverted, the count blocks
+    # on both sides at every bucket
     "ll_experts": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8), EXCHANGES),
     "ll_experts_ffn_counts": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
                               [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    # AFDEP_EARLY_COLLECT (experimental): the collect's lanes meet the FFN's start units with
-    # the mismatch (its bucket 4: units), or its completion count and reply status (bucket 16:
-    # the count form), in either layout
+    "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
+    # AFDEP_EARLY_COLLECT (on by default; set here all the same): the token layout's collect
+    # lanes meet the FFN's start units with the mismatch (its bucket 4: units), or its
+    # completion count and reply status (bucket 16: the count form); the expert layout's
+    # collect keeps its barrier (kSmallRecv) with the control on
     "early_collect_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
                                  [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "early_collect_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
@@ -245,17 +248,21 @@ def test_bucket_mismatch_reported_on_both_roles(case):
         assert a["finite"] and a["shape"] == (exchanges[i][0], hidden), a
         assert a["rel_err"] < 1.5e-2, a
 
-    # the experimental controls' paths ran (a case cannot pass on the default path): the
-    # expert layout's dispatch as units where ceil(bucket / num_sms) <= 2, else the count
-    # form that watches for units; the collect without the barrier
+    # the paths a case names ran (it cannot pass on another): the expert layout's dispatch as
+    # units where ceil(bucket / num_sms) <= 1, else the count form that watches for units, and
+    # reverted the plain count form everywhere; the token layout's collect without the barrier
     for i, (tokens, bucket_a, bucket_f) in enumerate(exchanges):
         f, a = ffn["exchanges"][i]["forms"], attn["exchanges"][i]["forms"]
-        if case.startswith("ll_experts"):
+        if case == "ll_experts_reverted":
+            assert a[0] == "kCountSend" and f[0] == "kCountRecv", (i, a, f)
+        elif case.startswith("ll_experts"):
             units = [-(-b // cfg_kw["num_sms"]) <= 1 for b in (bucket_a, bucket_f)]
             assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
             assert f[0] == ("kUnitExpRecv" if units[1] else "kCountRecvLL"), (i, f)
         if case.startswith("early_collect"):  # (T <= num_sms; above it kSmallRecv)
-            want = "kEarlyCollect" if tokens <= cfg_kw["num_sms"] else "kSmallRecv"
+            tokens_layout = cfg_kw.get("receive_layout") == "tokens"
+            want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]
+                    else "kSmallRecv")
             assert a[1] == want, (i, a)
 
     f, a = ffn["exchanges"][1], attn["exchanges"][1]

@@ -108,7 +108,8 @@ def test_hostile_graph_replays(layout, env):
 
 
 # Hostile inputs at bucket 48 (at most 2 tokens on each of the 24 channels), where the reply
-# goes as flagged units, and so does the expert layout's dispatch with AFDEP_LL_EXPERTS
+# goes as flagged units, and so does the expert layout's dispatch (AFDEP_LL_EXPERTS, on by
+# default) where a channel holds one token
 SCEN_LLX = {
     "1A1F": [sc("bad_ids", [48], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [48], 4),
              sc("one_expert", [33], 4), sc("no_route", [7], 2), sc("dups", [48], 4)],
@@ -119,28 +120,30 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("control", ["AFDEP_LL_EXPERTS", "AFDEP_EARLY_COLLECT"],
-                         ids=["ll_experts", "early_collect"])
+@pytest.mark.parametrize("arm", ["defaults", "count_form"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
-def test_units_hostile_graph_replays(layout, control):
+def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
-    at bucket 48 with an experimental control of the flagged units on: AFDEP_LL_EXPERTS (the
-    expert layout's dispatch as units) or AFDEP_EARLY_COLLECT (the collect's lanes polling
-    the reply units with the FFN ranks' start units). Out-of-range ids reported on the
-    Attention rank after the replays that had them, every valid entry exact on every rank,
-    NaN / Inf passed through, tokens without a route giving zeros."""
+    at bucket 48 over 48 channels, where the reply goes as flagged units and, with the
+    defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
+    count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv). The
+    collect takes the units with a barrier behind the start units in either arm (kSmallRecv:
+    AFDEP_EARLY_COLLECT is the token layout's). Out-of-range ids reported on the Attention
+    rank after the replays that had them, every valid entry exact on every rank, NaN / Inf
+    passed through, tokens without a route giving zeros."""
     scen = SCEN_LLX[layout]
-    # 48 sender channels: one token each at bucket 48 (AFDEP_LL_EXPERTS' units), and every
-    # collect at T <= num_sms (AFDEP_EARLY_COLLECT's form)
-    stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env={control: "1"})
+    # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
+    env = {} if arm == "defaults" else {"AFDEP_LL_EXPERTS": "0"}
+    stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
+    units = arm == "defaults"
     for s in stats:
         assert s["checked"] == _replays(scen), s
-        # the control's path ran (bucket 48: units), not the default one
-        if control == "AFDEP_LL_EXPERTS":
-            want = {"ffn": "kUnitExpRecv", "attention": "kSmallSend"}[s["role"]]
-            assert s["forms"][0] == {want}, s["forms"]
-        elif s["role"] == "attention":
-            assert s["forms"][1] == {"kEarlyCollect"}, s["forms"]
+        # the arm's dispatch path ran, and the expert layout's collect never takes the early one
+        want = {"ffn": "kUnitExpRecv" if units else "kCountRecv",
+                "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
+        assert s["forms"][0] == {want}, s["forms"]
+        if s["role"] == "attention":
+            assert s["forms"][1] == {"kSmallRecv"}, s["forms"]
     for s in _att(stats):
         assert s["route_errors"] > 0, s
 
@@ -156,14 +159,14 @@ def test_graph_duplicate_ids(layout, experts, llx):
     expert), and the output is exact against the deduplicated routing. In the E=8 case
     (E_local = 4 < top_k = 8, so R = 4) duplicates also push a token past R entries on one
     FFN rank (the kernel's clipping path); an AfdepRouteError there is allowed but the data
-    must still follow the contract. With AFDEP_LL_EXPERTS (llx) at capacity 48 over 48
-    channels the dispatch goes as flagged units, whose entry layout holds R = 4 entries here,
-    not top_k."""
+    must still follow the contract. With llx, at capacity 48 over 48 channels, the dispatch
+    goes as flagged units (AFDEP_LL_EXPERTS, the default there), whose entry layout holds
+    R = 4 entries here, not top_k; the others run at capacity 128 (5-6 tokens a channel: the
+    count-block dispatch)."""
     A = LAYOUTS[layout][1]
     if llx:
         scen = [sc("dups", [48] * A, 10), sc("dups", [33, 1][:A], 4, "int32")]
-        stats = run(layout, kw(layout, cap=48, experts=experts, sms=48), scen, seed=5,
-                    env={"AFDEP_LL_EXPERTS": "1"})
+        stats = run(layout, kw(layout, cap=48, experts=experts, sms=48), scen, seed=5)
     else:
         scen = [sc("dups", [128] * A, 10), sc("dups", [33] * A, 4, "int32")]
         stats = run(layout, kw(layout, experts=experts), scen, seed=5)

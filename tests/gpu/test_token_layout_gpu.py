@@ -605,8 +605,8 @@ def test_token_layout_eager_place_graphs(layout, dtype_name):
                                                    ("3A1F", "bfloat16", CAP)],
                          ids=["1A1F", "2A2F", "3A1F", "1A3F", "3A1F-count-form"])
 def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
-    """test_token_layout_ll_small_graphs with AFDEP_EARLY_COLLECT=1 (experimental, off by
-    default): the collect's row warps poll their reply units together with the FFN ranks'
+    """test_token_layout_ll_small_graphs with AFDEP_EARLY_COLLECT=1 (the default; set here all
+    the same, and test_token_layout_controls reverts it): the collect's row warps poll their reply units together with the FFN ranks'
     start units, with no barrier between (kEarlyCollect); several FFN ranks' rows summed in
     2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F. At
     bucket CAP the FFN replies in the count form: the eager plan's T = 0 and 1 exchanges
@@ -678,7 +678,7 @@ def _check_small(res, dtype_name):
     assert sum(o["route_errors"] for o in res) >= 1  # the hostile replays were reported
 
 
-@pytest.mark.parametrize("arm", ["defaults", "ll_off", "early_collect"])
+@pytest.mark.parametrize("arm", ["defaults", "ll_off", "early_collect_off"])
 @pytest.mark.parametrize("layout,scenario", [("1A1F", "ffn_after_receive"),
                                              ("1A1F", "attention_before_collect"),
                                              ("2A2F", "ffn_after_receive"),
@@ -689,15 +689,16 @@ def test_token_layout_rank_killed(layout, scenario, arm, tmp_path):
     2 tokens per channel; every survivor's wait ends at its deadline, its next op raises
     AfdepTimeoutError naming the dead peer (or, for a rank that waits for a survivor that
     gave up, a peer of the other role) and the phase, and it closes without its peers in
-    < 2 s. defaults: the flagged units carry dispatch and reply (their waits spin on units);
-    ll_off: AFDEP_LL_SMALL=0, the count block and flags; early_collect: AFDEP_EARLY_COLLECT=1
-    (experimental), the collect's row warps spinning on their units with their own
-    deadline."""
+    < 2 s. defaults: the flagged units carry dispatch and reply (their waits spin on units)
+    and the collect's row warps spin on their units with their own deadline
+    (AFDEP_EARLY_COLLECT); ll_off: AFDEP_LL_SMALL=0, the count block and flags;
+    early_collect_off: AFDEP_EARLY_COLLECT=0, every collect CTA waiting for the start units
+    behind a barrier."""
     from tests.helpers import transport_bodies as hb
 
     a_n, f_n = LAYOUTS[layout]
     env = {"ll_off": {"AFDEP_LL_SMALL": "0"},
-           "early_collect": {"AFDEP_EARLY_COLLECT": "1"}}.get(arm, {})
+           "early_collect_off": {"AFDEP_EARLY_COLLECT": "0"}}.get(arm, {})
     w = hb.run_kill_world(token_kill_body, a_n + f_n, (a_n, f_n, str(tmp_path), scenario),
                           str(tmp_path), env=env)
     hb.check_kill_outcome(w, list(range(f_n)), list(range(f_n, f_n + a_n)), scenario)

@@ -101,8 +101,10 @@ constexpr uint32_t kLLExpertNeeds = F_LL_EXPERTS | F_SMALL_KERNELS | F_ROLE_BUFF
 // one H200, T = 32 and 48) they were 4% and 11% slower than the count form, with one (T = 1
 // and 7) 12% faster (session 30)
 constexpr int kLLXTokens = 1;
-// AFDEP_EARLY_COLLECT's form only where the collect's T <= S (one token per row warp group):
-// at T = 48 it was 1% (token layout) and 5% (expert layout) slower than kSmallRecv
+// AFDEP_EARLY_COLLECT's form only in the token layout and where the collect's T <= S (one
+// token per row warp group): at T = 48 it was 1% (token layout) and 5% (expert layout) slower
+// than kSmallRecv, and the expert layout's collect 1-4% slower at T <= 24 too (its reply
+// comes later, so the polling lanes spin longer on the GPU the ranks share; session 30)
 constexpr int kEarlyCollectTokensPerSm = 1;
 
 // AFDEP_DEBUG bits (diagnostics and memory-ordering experiments; default 0, never in
