@@ -105,6 +105,12 @@ STAGES = [
      lambda da, ca, df, cf: _gap(cf, LOADED, cf, START), False),
     ("    F CTA0: first row loaded -> rows written",
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, LOADED), False),
+    # the expert layout's one-pass reply, thread 0's first item: its receipt (token index,
+    # rows, count), then its first 8 rows' vectors (the LOADED point above)
+    ("    F CTA0: start -> receipt loaded",
+     lambda da, ca, df, cf: _gap(cf, MASKED, cf, START), False),
+    ("    F CTA0: receipt loaded -> first rows loaded",
+     lambda da, ca, df, cf: _gap(cf, LOADED, cf, MASKED), False),
     ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: _gap(ca, WAITED, cf, MAX_SENT), True),
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: _gap(ca, MAX_END, ca, WAITED), False),
     # the collect split: CTA 0's own end (at small T it holds the rows) against the latest

@@ -64,6 +64,12 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
+  // traced only, thread 0's first item: a branch on its receipt words waits for them, splitting
+  // the expert layout's reply into the receipt's latency and the rows' (taken unless the xor
+  // hits one value)
+  const bool mark = L.trace != nullptr && threadIdx.x == 0 && first;
+  if (mark && ((uint32_t)tok ^ (uint32_t)row ^ (uint32_t)count) != 0x80000001u)
+    trace_mark(L, kTrMasked, -1);
   if (slot >= 0 && slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
   // units: tok < T <= bucket <= llc_tokens for a receipt's token
   if (tok < 0 || tok >= (llf ? L.llc_tokens : L.C)) {
@@ -93,6 +99,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
         int4 v[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) v[u] = ld_nc_v4(rows + (size_t)s_rows[warp][r + u] * nv + i);
+        if (mark && i == v0 && r == 0 && (uint32_t)v[0].x != 0x80000001u)  // (as above)
+          trace_mark(L, kTrLoaded, -1);
 #pragma unroll
         for (int u = 0; u < 8; ++u) add_bf16x8(acc, v[u]);
       }
