@@ -105,8 +105,11 @@ STAGES = [
      lambda da, ca, df, cf: _gap(cf, LOADED, cf, START), False),
     ("    F CTA0: first row loaded -> rows written",
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, LOADED), False),
-    # the expert layout's one-pass reply, thread 0's first item: its receipt (token index,
-    # rows, count), then its first 8 rows' vectors (the LOADED point above)
+    # the expert layout's reply, thread 0's item: its receipt (token index, rows, count), then
+    # its first 8 rows' vectors (the LOADED point above; only a token with 8 or more rows
+    # stamps it). At small T (the one-pass reply: one item per warp) that is its first item;
+    # on the generic path at large T thread 0 walks many items and the points hold its last,
+    # so these two stages mean something at small T only
     ("    F CTA0: start -> receipt loaded",
      lambda da, ca, df, cf: _gap(cf, MASKED, cf, START), False),
     ("    F CTA0: receipt loaded -> first rows loaded",

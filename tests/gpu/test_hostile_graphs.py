@@ -107,9 +107,9 @@ def test_hostile_graph_replays(layout, env):
         assert sum(s["nonfinite_out"] for s in _att(stats)) > 0
 
 
-# Hostile inputs at bucket 48 (at most 2 tokens on each of the 24 channels), where the reply
-# goes as flagged units, and so does the expert layout's dispatch (AFDEP_LL_EXPERTS, on by
-# default) where a channel holds one token
+# Hostile inputs at bucket 48 over 48 channels (one token each), where the reply goes as
+# flagged units, and so does the expert layout's dispatch (AFDEP_LL_EXPERTS, on by default,
+# where a channel holds one token)
 SCEN_LLX = {
     "1A1F": [sc("bad_ids", [48], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [48], 4),
              sc("one_expert", [33], 4), sc("no_route", [7], 2), sc("dups", [48], 4)],

@@ -141,10 +141,11 @@ enum TracePoint : int {
   kTrLoaded = 12,  // thread 0's first loads arrived (CTA 0): dispatch sender, its token's
                    // expert id (F_EARLY_LOADS) and the exchange number; FFN reply
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector;
-                   // FFN reply (one-pass, expert layout), its first item's 8 rows' vectors
+                   // FFN reply (expert layout), its item's first 8 rows' vectors (at small
+                   // T its first item; at large T, generic path, its last)
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
-                   // FFN reply (one-pass, expert layout): its first item's receipt loaded
+                   // FFN reply (expert layout): that item's receipt loaded
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
