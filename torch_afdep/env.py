@@ -170,6 +170,14 @@ _CONTROLS = (
              "AFDEP_EARLY_LOADS, AFDEP_SMALL_KERNELS and the four directional controls; 0 = "
              "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
              "the rows"),
+    _control("AFDEP_EARLY_EXPAND", 21, 0,
+             "experimental, off by default (not yet run on a GPU): the expert layout's receive "
+             "of flagged units (AFDEP_LL_EXPERTS) computes the token prefix first, so that "
+             "each warp issues its first row chunk's loads (the token's metadata units and "
+             "the chunk's first vector) before the pass that reads every token's metadata "
+             "for the row table; the table, its scan and the offsets then run while those "
+             "loads are in flight; the same outputs; 0 = the table, the offsets, then each "
+             "chunk's loads"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -988,35 +988,54 @@ __device__ bool place_tokens_eager(const Layout& L, const DispatchArgs& a, uint6
   return true;
 }
 
-// Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
-// every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
-// -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
-// at the deadline (reported), in every lane.
-__device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
-                                                 uint64_t deadline, int sr, int& tok, int& nloc,
-                                                 int& el, int& wi, int& col) {
-  const int lane = threadIdx.x & 31;
+// Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (lanes 0
+// and 1) and lane r's entry r (its local id, weight bits, and column or position), as loaded,
+// not yet known to be fresh (settle_token_units waits for them).
+struct TokenUnits {
   uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
-  if (lane < 2) uh = ld_ll(u + lane);
-  if (lane < L.R) {  // entries past the header's count are masked below
-    ue = ld_ll(u + 2 + lane);
-    uw = ld_ll(u + 2 + L.R + lane);
-    uc = ld_ll(u + 2 + 2 * L.R + lane);
+};
+__device__ __forceinline__ TokenUnits issue_token_units(const Layout& L, const uint64_t* u) {
+  const int lane = threadIdx.x & 31;
+  TokenUnits t;
+  if (lane < 2) t.uh = ld_ll(u + lane);
+  if (lane < L.R) {  // entries past the header's count are masked by settle_token_units
+    t.ue = ld_ll(u + 2 + lane);
+    t.uw = ld_ll(u + 2 + L.R + lane);
+    t.uc = ld_ll(u + 2 + 2 * L.R + lane);
   }
+  return t;
+}
+
+// The words of issue_token_units' loads t, each spun on until fresh: the token index and entry
+// count (in every lane) and lane r's entry r (-1, 0, -1 from nloc on). False at the deadline
+// (reported), in every lane.
+__device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
+                                                   const TokenUnits& t, uint32_t llf,
+                                                   uint64_t deadline, int sr, int& tok,
+                                                   int& nloc, int& el, int& wi, int& col) {
+  const int lane = threadIdx.x & 31;
   bool ok = true;
   constexpr int ph = kPhaseDispatch;
-  if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
+  if (lane < 2) ok = ll_settle(u + lane, t.uh, llf, deadline, L.err, ph, sr, L.rank, tok);
   nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
   tok = __shfl_sync(kFull, tok, 0);
   el = -1;
   wi = 0;
   col = -1;
   if (lane < nloc) {
-    ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
-         ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
-         ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);
+    ok = ok && ll_settle(u + 2 + lane, t.ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
+         ll_settle(u + 2 + L.R + lane, t.uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
+         ll_settle(u + 2 + 2 * L.R + lane, t.uc, llf, deadline, L.err, ph, sr, L.rank, col);
   }
   return __all_sync(kFull, ok);
+}
+
+// Both at once: every word loaded together (one latency), then each spun on until fresh.
+__device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
+                                                 uint64_t deadline, int sr, int& tok, int& nloc,
+                                                 int& el, int& wi, int& col) {
+  return settle_token_units(L, u, issue_token_units(L, u), llf, deadline, sr, tok, nloc, el, wi,
+                            col);
 }
 
 // Receiver side of the token layout: the payload already sits where the FFN reads it (the
@@ -1131,6 +1150,12 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // are its largest position + 1, read from the metadata units. Then as expand: the offsets, the
 // receipts, and (token, entry, chunk) units, each copying its chunk of the row from the units
 // into the expert-major row as they land.
+// kEarly (F_EARLY_EXPAND, kUnitExpEarly): the token prefix first (the regions' token counts
+// are booked already), so that each warp issues its first unit's loads (the token's metadata
+// units and its chunk's first vector) before the table's pass; the table, its scan and the
+// offsets then run while those loads are in flight, instead of the unit's first load
+// latency coming after them.
+template <bool kEarly>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1144,7 +1169,43 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   const uint32_t llf = ll_flag(n);
   // (a region that came as a count block is a bucket mismatch, booked empty: every sender of
   // this form declares its bucket, Comm::dispatch)
-  for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
+  int* s_tb = s_rb + nreg + 1;  // kEarly: [nreg + 1] the early token prefix (dispatch_smem_bytes)
+  for (int g = tid; g < nreg; g += blockDim.x) {
+    s_rb[g] = s_form[g] ? s_cnt[g] : 0;
+    if (kEarly) s_tb[g] = s_rb[g];
+  }
+  // kEarly: this warp's first unit (gw), located from the early token prefix s_tb (what
+  // finish_offsets makes of s_rb below), and its loads in flight (pre: none; 1: issued)
+  TokenUnits pt;
+  uint64_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+  bool pre = false;
+  if (kEarly) {
+    const int nv = L.row_bytes / 16;
+    const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
+    __syncthreads();
+    if (warp == 0) warp_exclusive_scan(s_tb, nreg, lane);
+    __syncthreads();
+    const int items = s_tb[nreg] * L.R;
+    const int lg = chunk_log2_fill(items, nw, nv);
+    const int cv = (nv + (1 << lg) - 1) >> lg;
+    if (gw < (items << lg)) {
+      const int h = gw & ((1 << lg) - 1), it = gw >> lg;
+      const int q = fast_div(it, L.div_R);
+      const int g = upper_index(s_tb, nreg, q);
+      int ai, ch, j, s;
+      if (locate_token(L, a, s_tb, q, g, false, ai, ch, j, s)) {
+        const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
+        const uint64_t* ur = ut + L.meta_ints;
+        pt = issue_token_units(L, ut);
+        const int v = h * cv + lane;
+        if (v < min(nv, h * cv + cv)) {
+          ld_ll2(ur + 4 * (size_t)v, p0, p1);
+          ld_ll2(ur + 4 * (size_t)v + 2, p2, p3);
+        }
+        pre = true;
+      }
+    }
+  }
   bool ok = true;
   for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major, as they land
     const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
@@ -1177,13 +1238,17 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     const uint64_t* ur = ut + L.meta_ints;  // the row: four units per 16-byte vector
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     // this lane's first vector of the chunk loads with the metadata: one latency for both
-    uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
-    if (v0 + lane < v1) {
+    // (kEarly: the first unit's were issued before the table, the same unit and addresses)
+    const bool early = kEarly && pre && u == gw;
+    uint64_t x0 = early ? p0 : 0, x1 = early ? p1 : 0, x2 = early ? p2 : 0, x3 = early ? p3 : 0;
+    if (!early && v0 + lane < v1) {
       ld_ll2(ur + 4 * (size_t)(v0 + lane), x0, x1);
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    if (!settle_token_units(L, ut, early ? pt : issue_token_units(L, ut), llf, deadline, sr, tok,
+                            nloc, el, wi, pos))
+      return;
     el = __shfl_sync(kFull, el, r);  // entry r: lane r's
     pos = __shfl_sync(kFull, pos, r);
     wi = __shfl_sync(kFull, wi, r);
@@ -1419,7 +1484,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       // takes the second path: the fence, then those regions' counts
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
-      if (kForm == kUnitExpRecv)  // expand_units' rows per (region, expert), zeroed meanwhile
+      if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)  // expand_units' rows per (region,
+                                                              // expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
       // F_EAGER_PLACE: the warps past those that wait (one thread per region) place the rows
       // meanwhile; the waits still book every region (token counts, bucket reports)
@@ -1473,8 +1539,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kForm == kUnitExpRecv)
-        expand_units(L, a, n, deadline, smem);
+      if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)
+        expand_units<kForm == kUnitExpEarly>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm>(L, a, n, deadline, smem, booked, eager);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1498,7 +1564,8 @@ size_t dispatch_smem_bytes(const Layout& L) {
   // and the count form's expand (the regions' forms behind its arrays)
   const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1) * 4;
   const size_t count = ((size_t)expand_smem_ints(L) + 3 * nreg) * 4;
-  if (L.llx && recv < units) recv = units;
+  if (L.llx && recv < units + (size_t)(nreg + 1) * 4 * ((L.flags & F_EARLY_EXPAND) ? 1 : 0))
+    recv = units + (size_t)(nreg + 1) * 4 * ((L.flags & F_EARLY_EXPAND) ? 1 : 0);
   if (L.llx && recv < count) recv = count;
   return send > recv ? send : recv;
 }
@@ -1520,7 +1587,10 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
   // forms hold the expert layout's units, so they run with debug output on too
   // (a launch of both roles, the last case, cannot occur with the directional controls)
-  if (L.llx && llx_exchange(L, a)) return send ? kSmallSend : recv ? kUnitExpRecv : kGeneric;
+  if (L.llx && llx_exchange(L, a))
+    return send ? kSmallSend
+           : recv ? ((L.flags & F_EARLY_EXPAND) ? kUnitExpEarly : kUnitExpRecv)
+                  : kGeneric;
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
   if (L.ll) {
@@ -1550,6 +1620,7 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kEagerRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpEarly>, attr, (int)smem);
   return e;
 }
 
@@ -1573,6 +1644,8 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
     case kCountRecvLL:
       return launch_transport_kernel(dispatch_kernel<kCountRecvLL>, L, a, grid, smem, stream);
+    case kUnitExpEarly:
+      return launch_transport_kernel(dispatch_kernel<kUnitExpEarly>, L, a, grid, smem, stream);
     default:
       return launch_transport_kernel(dispatch_kernel<kGeneric>, L, a, grid, smem, stream);
   }

@@ -89,6 +89,11 @@ CASES = {
     "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
+    # AFDEP_EARLY_EXPAND (experimental): the units receive with its early loads, on both sides
+    # and seeing the Attention's count block (bucket 16)
+    "ll_experts_early_expand": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8), EXCHANGES),
+    "ll_experts_early_expand_ffn_units": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8),
+                                          [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     # AFDEP_EARLY_COLLECT (on by default; set here all the same): the token layout's collect
     # lanes meet the FFN's start units with the mismatch (its bucket 4: units), or its
     # completion count and reply status (bucket 16: the count form); the expert layout's
@@ -257,8 +262,9 @@ def test_bucket_mismatch_reported_on_both_roles(case):
             assert a[0] == "kCountSend" and f[0] == "kCountRecv", (i, a, f)
         elif case.startswith("ll_experts"):
             units = [-(-b // cfg_kw["num_sms"]) <= 1 for b in (bucket_a, bucket_f)]
+            receive = "kUnitExpEarly" if "early_expand" in case else "kUnitExpRecv"
             assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
-            assert f[0] == ("kUnitExpRecv" if units[1] else "kCountRecvLL"), (i, f)
+            assert f[0] == (receive if units[1] else "kCountRecvLL"), (i, f)
         if case.startswith("early_collect"):  # (T <= num_sms; above it kSmallRecv)
             tokens_layout = cfg_kw.get("receive_layout") == "tokens"
             want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]

@@ -452,6 +452,47 @@ def test_ll_experts_sanitizer_small(dtype):
         seed=23)
 
 
+# AFDEP_EARLY_EXPAND (experimental, off by default): the expert layout's units receive issues
+# each warp's first unit's loads before the table's pass (kUnitExpEarly instead of
+# kUnitExpRecv); the count form (kCountRecvLL) is unchanged
+EARLY_EXPAND = {"AFDEP_EARLY_EXPAND": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_early_expand_eager(layout, dtype):
+    """AFDEP_EARLY_EXPAND=1: every exchange of llx_plan exact on every rank (the FFN's rows,
+    offsets, weights, payload bits and receipts against every source; the Attention's output
+    against the fp64 reference), its units receives in kUnitExpEarly."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_EXPAND, seed=37)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_EARLY_EXPAND"].bit, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert {"kUnitExpEarly", "kCountRecvLL"} <= st["forms"][0], (r, st["forms"])
+            assert "kUnitExpRecv" not in st["forms"][0], (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
+                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
+def test_early_expand_graph_replays(dtype, bucket, tokens):
+    """AFDEP_EARLY_EXPAND=1, 100 checked graph replays around the units' edge (bucket 8:
+    kUnitExpEarly; 48 and 49: the count form)."""
+    units = bucket <= 24
+    graph_replays_1a1f(dtype, bucket, tokens, EARLY_EXPAND, 9600,
+                       forms=(("kUnitExpEarly" if units else "kCountRecvLL", None),
+                              ("kSmallSend" if units else "kCountSend", None)))
+
+
+def test_early_expand_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_EARLY_EXPAND=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
+    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
+    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                     (8, [1], "skewed"), (24, [0], "random")], env=EARLY_EXPAND, seed=41)
+
+
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/
 # test_token_layout_gpu.py): in the expert layout its collect keeps the barrier behind the
 # start units (kSmallRecv), where the early form was 1-4% slower on one H200. Exported or

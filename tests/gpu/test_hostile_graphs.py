@@ -120,26 +120,29 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("arm", ["defaults", "count_form"])
+@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
     at bucket 48 over 48 channels, where the reply goes as flagged units and, with the
     defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
-    count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv). The
+    count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
+    early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly. The
     collect takes the units with a barrier behind the start units in either arm (kSmallRecv:
     AFDEP_EARLY_COLLECT is the token layout's). Out-of-range ids reported on the Attention
     rank after the replays that had them, every valid entry exact on every rank, NaN / Inf
     passed through, tokens without a route giving zeros."""
     scen = SCEN_LLX[layout]
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
-    env = {} if arm == "defaults" else {"AFDEP_LL_EXPERTS": "0"}
+    env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
+           "early_expand": {"AFDEP_EARLY_EXPAND": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
-    units = arm == "defaults"
+    units = arm != "count_form"
+    receive = "kUnitExpEarly" if arm == "early_expand" else "kUnitExpRecv"
     for s in stats:
         assert s["checked"] == _replays(scen), s
         # the arm's dispatch path ran, and the expert layout's collect never takes the early one
-        want = {"ffn": "kUnitExpRecv" if units else "kCountRecv",
+        want = {"ffn": receive if units else "kCountRecv",
                 "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
         if s["role"] == "attention":

@@ -18,7 +18,9 @@ namespace afdep {
 // and with that control its count-block receive (kCountRecvLL: kCountRecv, each wait also
 // watching for the units of a sender whose bucket differs); the flagged-unit collect whose
 // row warps poll their units without a barrier behind the start units (kEarlyCollect,
-// F_EARLY_COLLECT: its code kept out of kSmallRecv).
+// F_EARLY_COLLECT: its code kept out of kSmallRecv); kUnitExpRecv issuing its first unit's
+// loads before the table's pass (kUnitExpEarly, F_EARLY_EXPAND: its code kept out of
+// kUnitExpRecv).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv and the expert layout's kSmallSend: the generic kernel
@@ -27,7 +29,7 @@ namespace afdep {
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kEagerRecv, 6) X(kUnitExpRecv, 7) X(kCountRecvLL, 8)                 \
-  X(kEarlyCollect, 9)
+  X(kEarlyCollect, 9) X(kUnitExpEarly, 10)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -35,14 +37,15 @@ enum KernelForm : int {
 #undef AFDEP_FORM_ENUM
 };
 __host__ __device__ constexpr bool form_units(int f) {
-  return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv;
+  return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv ||
+         f == kUnitExpEarly;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
   return f == kSmallSend || f == kCountSend || f == kUnitReply;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kCountRecvLL || f == kEarlyCollect;
+         f == kCountRecvLL || f == kEarlyCollect || f == kUnitExpEarly;
 }
 
 }  // namespace afdep

@@ -47,9 +47,11 @@ namespace afdep {
                                latency after the header) */                                   \
   X(LL_EXPERTS, 19)         /* small buckets: the expert layout's dispatch as flagged units   \
                                too; the FFN counts rows per (region, expert) from the         \
-                               metadata units (experimental) */                               \
-  X(EARLY_COLLECT, 20)      /* the flagged-unit collect: row warps poll their units with the  \
-                               start units, no barrier between (experimental) */
+                               metadata units */                                              \
+  X(EARLY_COLLECT, 20)      /* the token layout's flagged-unit collect: row warps poll their  \
+                               units with the start units, no barrier between */              \
+  X(EARLY_EXPAND, 21)       /* the expert layout's units receive: each warp's first unit's    \
+                               loads issued before the table's pass (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
