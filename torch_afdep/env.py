@@ -175,9 +175,9 @@ _CONTROLS = (
              "of flagged units (AFDEP_LL_EXPERTS) computes the token prefix first, so that "
              "each warp issues its first row chunk's loads (the token's metadata units and "
              "the chunk's first vector) before the pass that reads every token's metadata "
-             "for the row table; the table, its scan and the offsets then run while those "
-             "loads are in flight; the same outputs; 0 = the table, the offsets, then each "
-             "chunk's loads"),
+             "for the row table (in which a warp issues its two tokens' loads together); "
+             "the table, its scan and the offsets then run while those loads are in flight; "
+             "the same outputs; 0 = the table, the offsets, then each chunk's loads"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -1154,7 +1154,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // are booked already), so that each warp issues its first unit's loads (the token's metadata
 // units and its chunk's first vector) before the table's pass; the table, its scan and the
 // offsets then run while those loads are in flight, instead of the unit's first load
-// latency coming after them.
+// latency coming after them; and the table's pass issues a warp's two tokens' loads together
+// (at more than kWarps tokens a CTA: one latency instead of two).
 template <bool kEarly>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
@@ -1207,7 +1208,34 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
   }
   bool ok = true;
-  for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major, as they land
+  // kEarly: a warp's two tokens of the table's pass (q and q + kWarps: more than kWarps tokens
+  // per CTA) have their loads issued together, then settled one after the other
+  for (int q = warp; kEarly && q < nreg * stride && ok; q += 2 * kWarps) {
+    const uint64_t* up[2] = {nullptr, nullptr};
+    int gs[2] = {0, 0};
+    for (int k = 0; k < 2; ++k) {  // slot-major, as they land
+      const int qk = q + k * kWarps;
+      if (qk >= nreg * stride) break;
+      const int j = fast_div(qk, L.div_nreg), g = qk - j * nreg;
+      if (!s_form[g] || j >= s_cnt[g]) continue;
+      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+      up[k] = ll_token(L, ll_region(L, mine, ai, ch), j);
+      gs[k] = g;
+    }
+    TokenUnits t[2];
+    for (int k = 0; k < 2; ++k)
+      if (up[k] != nullptr) t[k] = issue_token_units(L, up[k]);
+    for (int k = 0; k < 2 && ok; ++k) {
+      if (up[k] == nullptr) continue;
+      const int g = gs[k];
+      int tok, nloc, el, wi, pos;
+      ok = settle_token_units(L, up[k], t[k], llf, deadline,
+                              L.rank_of_attn[fast_div(g, L.div_S)], tok, nloc, el, wi, pos);
+      if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
+        atomicMax(&s_tab[g * El + el], pos + 1);
+    }
+  }
+  for (int q = warp; !kEarly && q < nreg * stride && ok; q += kWarps) {  // slot-major
     const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
     if (!s_form[g] || j >= s_cnt[g]) continue;
     const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
