@@ -1590,10 +1590,11 @@ size_t dispatch_smem_bytes(const Layout& L) {
   if (L.ll && recv < 6 * nreg * 4) recv = 6 * nreg * 4;  // place_tokens' arrays + s_form
   // F_LL_EXPERTS: the booked arrays, then expand_units' table, offsets and region starts
   // and the count form's expand (the regions' forms behind its arrays)
-  const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1) * 4;
+  // (F_EARLY_EXPAND: and its early token prefix, nreg + 1 more)
+  const size_t early = (L.flags & F_EARLY_EXPAND) ? nreg + 1 : 0;
+  const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1 + early) * 4;
   const size_t count = ((size_t)expand_smem_ints(L) + 3 * nreg) * 4;
-  if (L.llx && recv < units + (size_t)(nreg + 1) * 4 * ((L.flags & F_EARLY_EXPAND) ? 1 : 0))
-    recv = units + (size_t)(nreg + 1) * 4 * ((L.flags & F_EARLY_EXPAND) ? 1 : 0);
+  if (L.llx && recv < units) recv = units;
   if (L.llx && recv < count) recv = count;
   return send > recv ? send : recv;
 }

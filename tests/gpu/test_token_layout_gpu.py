@@ -606,9 +606,10 @@ def test_token_layout_eager_place_graphs(layout, dtype_name):
                          ids=["1A1F", "2A2F", "3A1F", "1A3F", "3A1F-count-form"])
 def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
     """test_token_layout_ll_small_graphs with AFDEP_EARLY_COLLECT=1 (the default; set here all
-    the same, and test_token_layout_controls reverts it): the collect's row warps poll their reply units together with the FFN ranks'
-    start units, with no barrier between (kEarlyCollect); several FFN ranks' rows summed in
-    2A2F and 1A3F, one FFN rank's zero-copy collect into the inbox rows in 1A1F and 3A1F. At
+    the same, and test_token_layout_controls reverts it): the collect's row warps poll their
+    reply units together with the FFN ranks' start units, with no barrier between
+    (kEarlyCollect); several FFN ranks' rows summed in 2A2F and 1A3F, one FFN rank's zero-copy
+    collect into the inbox rows in 1A1F and 3A1F. At
     bucket CAP the FFN replies in the count form: the eager plan's T = 0 and 1 exchanges
     (<= SMS: kEarlyCollect) meet it, their lanes finding the completion count, fencing and
     reading the inbox rows; a graph's T = 3 (> SMS) collect runs kSmallRecv."""
