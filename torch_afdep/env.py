@@ -178,6 +178,13 @@ _CONTROLS = (
              "for the row table (in which a warp issues its two tokens' loads together); "
              "the table, its scan and the offsets then run while those loads are in flight; "
              "the same outputs; 0 = the table, the offsets, then each chunk's loads"),
+    _control("AFDEP_SPREAD_CHUNKS", 22, 0,
+             "experimental, off by default: the small-T combine kernels (the reply's and the "
+             "collect's flagged-unit and one-pass forms, either layout) give a row's chunks to "
+             "one warp on each of several CTAs instead of to one CTA's warps, so that a row's "
+             "loads and stores spread over up to num_sms SMs (at T = 1 the expert layout's "
+             "reply loads 8 rows, 64 KB); the same outputs; 0 = unit u on warp u % 16 of CTA "
+             "u / 16"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -421,7 +421,10 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   const int4* inbox = reinterpret_cast<const int4*>(own_window(L) + L.off_comb);
   const int src0 = role ? 0 : L.rank_of_ffn[0];
-  const int nw = gridDim.x * (kWarps - 1), gw = c * (kWarps - 1) + warp - 1;
+  // F_SPREAD_CHUNKS: warp-major, as in combine_kernel
+  const int nw = gridDim.x * (kWarps - 1);
+  const int gw = (L.flags & F_SPREAD_CHUNKS) ? (warp - 1) * (int)gridDim.x + c
+                                              : c * (kWarps - 1) + warp - 1;
   const int clg = chunk_log2_fill(a.T, nw, nv), cv = (nv + (1 << clg) - 1) >> clg;
   const uint64_t fmask = L.F < 64 ? (1ull << L.F) - 1 : ~0ull;
   ReplySeen seen;
@@ -525,7 +528,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = own_window(L);
-  const int gw = c * kWarps + warp, nw = gridDim.x * kWarps;
+  // F_SPREAD_CHUNKS, small forms: unit u on warp u / G of CTA u % G, so that a row's chunks
+  // spread over up to G SMs (at T = 1 the expert layout's reply loads 8 rows, 64 KB, and
+  // every form moves at least one row's 8-16 KB: through one SM when a CTA's warps take them)
+  const bool spread = kSmall && (fl & F_SPREAD_CHUNKS);
+  const int gw = spread ? warp * (int)gridDim.x + c : c * kWarps + warp;
+  const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);
 
@@ -555,7 +563,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       // by the grid's last CTA, whose warps hold no row (at most: units * nch <= nw): on CTA 0
       // the mismatch load and the stores sat in front of the first row's first chunk
-      for (int ai = tid; llf && c == (int)gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
+      // (spread: by its last warp, which holds a chunk only when units * nch > nw - G)
+      const int t0 = spread ? tid - (kWarps - 1) * 32 : tid, ts = spread ? 32 : (int)blockDim.x;
+      for (int ai = t0; llf && c == (int)gridDim.x - 1 && t0 >= 0 && ai < L.A; ai += ts) {
         const int sb = L.mismatch[ai];
         st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
       }

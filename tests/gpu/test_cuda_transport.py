@@ -493,6 +493,44 @@ def test_early_expand_sanitizer_small():
                      (8, [1], "skewed"), (24, [0], "random")], env=EARLY_EXPAND, seed=41)
 
 
+# AFDEP_SPREAD_CHUNKS (experimental, off by default): the small combine forms give a row's
+# chunks to one warp on each of several CTAs; the same forms (kUnitReply, kSmallRecv)
+SPREAD = {"AFDEP_SPREAD_CHUNKS": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_spread_chunks_eager(layout, dtype):
+    """AFDEP_SPREAD_CHUNKS=1: every exchange of llx_plan exact on every rank, its small-bucket
+    replies in kUnitReply and its collects in kSmallRecv with the chunks spread."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=SPREAD, seed=43)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit, (r, hex(st["flags"]))
+        want = "kUnitReply" if st["role"] == "ffn" else "kSmallRecv"
+        assert want in st["forms"][1], (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
+                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
+def test_spread_chunks_graph_replays(dtype, bucket, tokens):
+    """AFDEP_SPREAD_CHUNKS=1, 100 checked graph replays around the units' edge (bucket 8: the
+    reply in kUnitReply, the collect in kSmallRecv)."""
+    units = bucket <= 24
+    graph_replays_1a1f(dtype, bucket, tokens, SPREAD, 9700,
+                       forms=((None, "kUnitReply" if units else None),
+                              (None, "kSmallRecv" if units else None)))
+
+
+def test_spread_chunks_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_SPREAD_CHUNKS=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
+    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
+    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                     (8, [1], "skewed"), (24, [0], "random")], env=SPREAD, seed=47)
+
+
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/
 # test_token_layout_gpu.py): in the expert layout its collect keeps the barrier behind the
 # start units (kSmallRecv), where the early form was 1-4% slower on one H200. Exported or

@@ -120,14 +120,15 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand"])
+@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
     at bucket 48 over 48 channels, where the reply goes as flagged units and, with the
     defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
     count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
-    early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly. The
+    early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly;
+    spread: AFDEP_SPREAD_CHUNKS=1 (experimental), the reply's and collect's chunks spread. The
     collect takes the units with a barrier behind the start units in either arm (kSmallRecv:
     AFDEP_EARLY_COLLECT is the token layout's). Out-of-range ids reported on the Attention
     rank after the replays that had them, every valid entry exact on every rank, NaN / Inf
@@ -135,7 +136,8 @@ def test_units_hostile_graph_replays(layout, arm):
     scen = SCEN_LLX[layout]
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
-           "early_expand": {"AFDEP_EARLY_EXPAND": "1"}}[arm]
+           "early_expand": {"AFDEP_EARLY_EXPAND": "1"},
+           "spread": {"AFDEP_SPREAD_CHUNKS": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
     receive = "kUnitExpEarly" if arm == "early_expand" else "kUnitExpRecv"

@@ -618,6 +618,20 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
                              zero_copy=True, attention_form="kEarlyCollect")
 
 
+@pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
+                                                   ("2A2F", "float8_e4m3fn", 4),
+                                                   ("1A3F", "bfloat16", 4),
+                                                   ("3A1F", "bfloat16", CAP)],
+                         ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form"])
+def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
+    """test_token_layout_early_collect_graphs with AFDEP_SPREAD_CHUNKS=1 (experimental): the
+    reply's (kSmallSend) and the collect's (kEarlyCollect, kSmallRecv) chunks of a row taken
+    by one warp on each of several CTAs; the same forms, every row exact."""
+    test_token_layout_graphs(layout, dtype_name,
+                             env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "1"}, cap=cap,
+                             zero_copy=True, attention_form="kEarlyCollect")
+
+
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_eager_place_sized_graphs(layout, dtype_name):
@@ -656,6 +670,15 @@ def test_token_layout_eager_place_sanitizer_small(dtype_name, sized):
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
                                   env={**EAGER, "AFDEP_SIZED_GRID": sized}, timeout=900)
     _check_small(res, dtype_name)
+
+
+def test_token_layout_spread_chunks_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small with AFDEP_SPREAD_CHUNKS=1, under
+    compute-sanitizer memcheck."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
+                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "1"},
+                                  timeout=900)
+    _check_small(res, "bfloat16")
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

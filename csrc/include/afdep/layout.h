@@ -51,7 +51,9 @@ namespace afdep {
   X(EARLY_COLLECT, 20)      /* the token layout's flagged-unit collect: row warps poll their  \
                                units with the start units, no barrier between */              \
   X(EARLY_EXPAND, 21)       /* the expert layout's units receive: each warp's first unit's    \
-                               loads issued before the table's pass (experimental) */
+                               loads issued before the table's pass (experimental) */         \
+  X(SPREAD_CHUNKS, 22)      /* the small combine forms: a row's chunks go to one warp on each \
+                               of several CTAs, not to one CTA's warps (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
