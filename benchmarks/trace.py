@@ -109,7 +109,8 @@ STAGES = [
     # its first 8 rows' vectors (the LOADED point above; only a token with 8 or more rows
     # stamps it). At small T (the one-pass reply: one item per warp) that is its first item;
     # on the generic path at large T thread 0 walks many items and the points hold its last,
-    # so these two stages mean something at small T only
+    # so these two stages mean something at small T only (AFDEP_SPEC_REPLY's kSpecReply
+    # issues both loads together: the second stage is then about 0)
     ("    F CTA0: start -> receipt loaded",
      lambda da, ca, df, cf: _gap(cf, MASKED, cf, START), False),
     ("    F CTA0: receipt loaded -> first rows loaded",

@@ -185,6 +185,14 @@ _CONTROLS = (
              "loads and stores spread over up to num_sms SMs (at T = 1 the expert layout's "
              "reply loads 8 rows, 64 KB); the same outputs; 0 = unit u on warp u % 16 of CTA "
              "u / 16"),
+    _control("AFDEP_SPEC_REPLY", 23, 0,
+             "experimental, off by default: the expert layout's reply of flagged units where "
+             "the rows are few in all (A * bucket * R rows whose chunk a warp can stage, e.g. "
+             "1A1F at bucket 1) runs kSpecReply: each warp loads its chunk of every row "
+             "together with its receipt slot's words instead of after them (every row an entry "
+             "may name lies in those rows), stages them in shared memory, and adds the rows "
+             "its entries name in entry order: one load latency instead of two, the same "
+             "outputs bit for bit; 0 = the receipt, then the rows it names (kUnitReply)"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -94,6 +94,10 @@ CASES = {
     "ll_experts_early_expand": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8), EXCHANGES),
     "ll_experts_early_expand_ffn_units": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8),
                                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_SPEC_REPLY (experimental): the FFN's reply in kSpecReply at its bucket 1 (2 rows)
+    # and 2 (4 rows), the Attention's bucket the other
+    "spec_reply": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(1, 1, 1), (1, 2, 1), (1, 1, 1)]),
+    "spec_reply_ffn_bucket_2": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(2, 2, 2), (1, 1, 2), (2, 2, 2)]),
     # AFDEP_EARLY_COLLECT (on by default; set here all the same): the token layout's collect
     # lanes meet the FFN's start units with the mismatch (its bucket 4: units), or its
     # completion count and reply status (bucket 16: the count form); the expert layout's

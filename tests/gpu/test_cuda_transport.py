@@ -531,6 +531,64 @@ def test_spread_chunks_sanitizer_small():
                      (8, [1], "skewed"), (24, [0], "random")], env=SPREAD, seed=47)
 
 
+# AFDEP_SPEC_REPLY (experimental, off by default): where the A * bucket * R rows are few
+# (forms.h spec_reply_fits), the expert layout's units reply loads its chunk of every row with
+# its receipt (kSpecReply); other buckets keep kUnitReply
+SPEC = {"AFDEP_SPEC_REPLY": "1"}
+
+
+def spec_plan(A):
+    """Buckets 1 and 2 (kSpecReply while A * bucket * R <= 16 rows, each a warp's chunk), then
+    3 and 8 (kUnitReply), with T = 0 on some sources."""
+    return [(1, [1] * A, "random"), (1, [a % 2 for a in range(A)], "skewed"),
+            (2, [(2, 1, 0)[a % 3] for a in range(A)], "partial"), (1, [1] * A, "partial"),
+            (3, [(3, 2)[a % 2] for a in range(A)], "random"),
+            (8, [(7, 8)[a % 2] for a in range(A)], "skewed")]
+
+
+# (layout, hidden, dtype, kSpecReply expected): R = 8 in each layout; 1A1F and 1A3F stage 8
+# rows at bucket 1 and 16 at bucket 2 (H 7168: two vectors a lane, so bucket 1 only), 2A2F 16
+# rows at bucket 1; 3A1F's 24 rows at bucket 1 never fit
+SPEC_CASES = [("1A1F", 2048, "bfloat16", True), ("1A1F", 7168, "float8_e4m3fn", True),
+              ("2A2F", 2048, "bfloat16", True), ("1A3F", 4096, "bfloat16", True),
+              ("3A1F", 2048, "float8_e4m3fn", False)]
+
+
+@pytest.mark.parametrize("layout,hidden,dtype,spec", SPEC_CASES,
+                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" for c in SPEC_CASES])
+def test_spec_reply_eager(layout, hidden, dtype, spec):
+    """AFDEP_SPEC_REPLY=1: every exchange of spec_plan exact on every rank (the FFN's rows
+    past the last offset are NaN, ffn_compute: a reply that added a row no entry names would
+    give NaN), its FFN replies in kSpecReply where the rows fit and in kUnitReply elsewhere."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 16, hidden, dtype), spec_plan(A), env=SPEC, seed=53)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_SPEC_REPLY"].bit, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            want = {"kSpecReply", "kUnitReply"} if spec else {"kUnitReply"}
+            assert st["forms"][1] == want, (r, st["forms"])
+        else:
+            assert st["forms"][1] == {"kSmallRecv"}, (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("bfloat16", 2, 2),
+                                                 ("float8_e4m3fn", 2, 1)],
+                         ids=["bf16-B1-T1", "bf16-B2-T2", "fp8-B2-T1"])
+def test_spec_reply_graph_replays(dtype, bucket, tokens):
+    """AFDEP_SPEC_REPLY=1, 100 checked graph replays at buckets 1 and 2 (8 and 16 rows: the
+    reply in kSpecReply, the collect in kSmallRecv)."""
+    graph_replays_1a1f(dtype, bucket, tokens, SPEC, 9800,
+                       forms=((None, "kSpecReply"), (None, "kSmallRecv")))
+
+
+def test_spec_reply_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_SPEC_REPLY=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): kSpecReply at buckets 1 and 2 (T 0, 1, 2), kUnitReply at 8."""
+    kw = cfg_kw("1A1F", 16, 1024, "bfloat16")
+    run("1A1F", kw, [(1, [1], "random"), (2, [2], "skewed"), (2, [0], "random"),
+                     (1, [1], "partial"), (8, [5], "random")], env=SPEC, seed=59)
+
+
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/
 # test_token_layout_gpu.py): in the expert layout its collect keeps the barrier behind the
 # start units (kSmallRecv), where the early form was 1-4% slower on one H200. Exported or

@@ -153,6 +153,34 @@ def test_units_hostile_graph_replays(layout, arm):
         assert s["route_errors"] > 0, s
 
 
+# Hostile inputs where AFDEP_SPEC_REPLY's reply runs (kSpecReply: 1A1F at bucket 2 stages
+# 16 rows, 1A2F at bucket 1 eight on each FFN rank)
+SCEN_SPEC = {
+    "1A1F": [sc("bad_ids", [2], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [2], 4),
+             sc("one_expert", [2], 4), sc("no_route", [1], 2), sc("dups", [2], 4)],
+    "1A2F": [sc("bad_ids", [1], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [1], 4),
+             sc("one_expert", [1], 4), sc("no_route", [1], 2), sc("dups", [1], 4)],
+}
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "1A2F"])
+def test_spec_reply_hostile_graph_replays(layout):
+    """test_units_hostile_graph_replays' kinds with AFDEP_SPEC_REPLY=1 (experimental) at
+    buckets 2 (1A1F) and 1 (1A2F), where every FFN rank replies in kSpecReply: each warp's
+    chunk of every row loaded with the receipt, the rows its entries name added in entry order
+    (the Attention output bit for bit against the exact model), duplicates counted once,
+    NaN / Inf passed through, tokens without a route giving zeros."""
+    cap = 2 if layout == "1A1F" else 1
+    stats = run(layout, kw(layout, cap=cap, sms=24), SCEN_SPEC[layout], seed=11,
+                env={"AFDEP_SPEC_REPLY": "1"})
+    for s in stats:
+        assert s["checked"] == _replays(SCEN_SPEC[layout]), s
+        want = {"ffn": "kSpecReply", "attention": "kSmallRecv"}[s["role"]]
+        assert s["forms"][1] == {want}, s["forms"]
+    for s in _att(stats):
+        assert s["route_errors"] > 0, s
+
+
 @pytest.mark.parametrize("layout,experts,llx", [("1A1F", 128, False), ("2A2F", 128, False),
                                                 ("2A2F", 8, False), ("2A2F", 8, True)],
                          ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip",

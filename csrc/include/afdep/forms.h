@@ -20,7 +20,8 @@ namespace afdep {
 // row warps poll their units without a barrier behind the start units (kEarlyCollect,
 // F_EARLY_COLLECT: its code kept out of kSmallRecv); kUnitExpRecv issuing its first unit's
 // loads before the table's pass (kUnitExpEarly, F_EARLY_EXPAND: its code kept out of
-// kUnitExpRecv).
+// kUnitExpRecv); kUnitReply with few rows in all, each warp loading its chunk of every row
+// with its slot's receipt instead of after it (kSpecReply, F_SPEC_REPLY: spec_reply_fits).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend: the
@@ -29,7 +30,7 @@ namespace afdep {
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kEagerRecv, 6) X(kUnitExpRecv, 7) X(kCountRecvLL, 8)                 \
-  X(kEarlyCollect, 9) X(kUnitExpEarly, 10)
+  X(kEarlyCollect, 9) X(kUnitExpEarly, 10) X(kSpecReply, 11)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -41,11 +42,39 @@ __host__ __device__ constexpr bool form_units(int f) {
          f == kUnitExpEarly;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
-  return f == kSmallSend || f == kCountSend || f == kUnitReply;
+  return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kSpecReply;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
          f == kCountRecvLL || f == kEarlyCollect || f == kUnitExpEarly;
+}
+
+// kSpecReply (F_SPEC_REPLY): a warp stages its chunk of every row, at most kSpecVecs 16-byte
+// vectors a lane (32 KB a CTA, so no more than kSpecWarps warps of a CTA hold a chunk)
+constexpr int kSpecVecs = 16;
+constexpr int kSpecWarps = 2;
+
+// kSpecReply's chunks per receipt slot, log2: the largest power of two at or below both the
+// grid's warps per slot and the row's vectors / 32, at least 1 (chunk_log2's value, in integer
+// arithmetic without a division, so that the host's spec_reply_fits and the kernel agree
+// exactly).
+__host__ __device__ inline int spec_chunk_log2(int units, int warps, int nv) {
+  int lg = 0;
+  while ((64 << lg) <= nv && (2 << lg) * units <= warps) ++lg;
+  return lg;
+}
+
+// Whether the expert layout's one-pass reply of `units` receipt slots (A * bucket) on `grid`
+// CTAs of `warps_per_cta` warps can take kSpecReply: every row a slot's entries may name,
+// rows [0, units * R), staged by each chunk's warp (units * R rows x its vectors a lane at
+// most kSpecVecs, two vectors a lane at most), and at most kSpecWarps chunks a CTA (unit u on
+// warp u / grid of CTA u % grid).
+__host__ __device__ inline bool spec_reply_fits(int units, int R, int H, int grid,
+                                                int warps_per_cta) {
+  const int nv = H / 8, lg = spec_chunk_log2(units, grid * warps_per_cta, nv);
+  const int cv = (nv + (1 << lg) - 1) >> lg, per_lane = (cv + 31) / 32;
+  return units >= 1 && R >= 1 && R <= 32 && per_lane <= 2 &&
+         units * R * per_lane <= kSpecVecs && (units << lg) <= kSpecWarps * grid;
 }
 
 }  // namespace afdep

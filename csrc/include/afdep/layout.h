@@ -53,7 +53,10 @@ namespace afdep {
   X(EARLY_EXPAND, 21)       /* the expert layout's units receive: each warp's first unit's    \
                                loads issued before the table's pass (experimental) */         \
   X(SPREAD_CHUNKS, 22)      /* the small combine forms: a row's chunks go to one warp on each \
-                               of several CTAs, not to one CTA's warps (experimental) */
+                               of several CTAs, not to one CTA's warps (experimental) */      \
+  X(SPEC_REPLY, 23)         /* the expert layout's units reply with few rows in all: each     \
+                               warp loads its chunk of every row with its receipt, not after  \
+                               it (kSpecReply, experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
