@@ -179,17 +179,19 @@ _CONTROLS = (
              "the table, its scan and the offsets then run while those loads are in flight; "
              "the same outputs; 0 = the table, the offsets, then each chunk's loads"),
     _control("AFDEP_SPREAD_CHUNKS", 22, 0,
-             "experimental, off by default: the small-T combine kernels (the reply's and the "
-             "collect's flagged-unit and one-pass forms, either layout) give a row's chunks to "
-             "one warp on each of several CTAs instead of to one CTA's warps, so that a row's "
-             "loads and stores spread over up to num_sms SMs (at T = 1 the expert layout's "
-             "reply loads 8 rows, 64 KB); the same outputs; 0 = unit u on warp u % 16 of CTA "
-             "u / 16"),
+             "experimental, off by default (not yet run on a GPU): the small-T combine forms "
+             "that move a small row's chunks (the reply's kSmallSend and kUnitReply, the "
+             "collect's kSmallRecv and kEarlyCollect) give them to one warp on each of several "
+             "CTAs instead of to one CTA's warps, so that a row's loads and stores spread over "
+             "up to the kernel's grid of CTAs (one per SM by default; at T = 1 the expert "
+             "layout's reply loads 8 rows, 64 KB); the same outputs; 0 = unit u on warp u % 16 "
+             "of CTA u / 16"),
     _control("AFDEP_SPEC_REPLY", 23, 0,
-             "experimental, off by default: the expert layout's reply of flagged units where "
-             "the rows are few in all (A * bucket * R rows whose chunk a warp can stage, e.g. "
-             "1A1F at bucket 1) runs kSpecReply: each warp loads its chunk of every row "
-             "together with its receipt slot's words instead of after them (every row an entry "
+             "experimental, off by default (not yet run on a GPU): the expert layout's reply "
+             "of flagged units where the rows are few in all (A * bucket * R rows whose chunk "
+             "a warp can stage, e.g. 1A1F at bucket 1) runs kSpecReply: each warp loads its "
+             "chunk of every row together with its receipt slot's words instead of after them "
+             "(every row an entry "
              "may name lies in those rows), stages them in shared memory, and adds the rows "
              "its entries name in entry order: one load latency instead of two, the same "
              "outputs bit for bit; 0 = the receipt, then the rows it names (kUnitReply)"),

@@ -471,7 +471,9 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
 // vector's units with their FFN rank's start units (wait_reply_row). No barrier between the
 // waits and the rows, and a CTA without rows leaves at once (at T = 1 and H 4096-7168 the
 // row's 16 chunks sit on CTAs 0 and 1: no other CTA spins). Returns false at the deadline
-// (reported).
+// (reported). kSpread (F_SPREAD_CHUNKS): row unit u on warp 1 + u / G of CTA u % G instead of
+// warp 1 + u % 15 of CTA u / 15 (the spinning lanes then sit on up to G SMs, not on CTAs 0-1).
+template <bool kSpread>
 __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
                               uint64_t deadline, int* s_llc) {
   const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -501,10 +503,8 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
   const bool role = (L.flags & F_ROLE_BUFFERS) != 0;
   const int4* inbox = reinterpret_cast<const int4*>(own_window(L) + L.off_comb);
   const int src0 = role ? 0 : L.rank_of_ffn[0];
-  // F_SPREAD_CHUNKS: warp-major, as in combine_kernel
   const int nw = gridDim.x * (kWarps - 1);
-  const int gw = (L.flags & F_SPREAD_CHUNKS) ? (warp - 1) * (int)gridDim.x + c
-                                              : c * (kWarps - 1) + warp - 1;
+  const int gw = kSpread ? (warp - 1) * (int)gridDim.x + c : c * (kWarps - 1) + warp - 1;
   const int clg = chunk_log2_fill(a.T, nw, nv), cv = (nv + (1 << clg) - 1) >> clg;
   const uint64_t fmask = L.F < 64 ? (1ull << L.F) - 1 : ~0ull;
   ReplySeen seen;
@@ -585,7 +585,12 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
-template <int kForm>
+// kSpread (F_SPREAD_CHUNKS; kSmallSend, kUnitReply, kSmallRecv, kEarlyCollect only, its own
+// instantiations so that the other code is unchanged): unit u on warp u / G of CTA u % G
+// instead of warp u % 16 of CTA u / 16, so that a row's chunks spread over up to G SMs (at
+// T = 1 the expert layout's reply loads 8 rows, 64 KB, and every small form moves at least
+// one row's 8-16 KB: through one SM when a CTA's warps take them).
+template <int kForm, bool kSpread = false>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
@@ -608,11 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = own_window(L);
-  // F_SPREAD_CHUNKS, small forms: unit u on warp u / G of CTA u % G, so that a row's chunks
-  // spread over up to G SMs (at T = 1 the expert layout's reply loads 8 rows, 64 KB, and
-  // every form moves at least one row's 8-16 KB: through one SM when a CTA's warps take them)
-  const bool spread = kSmall && (fl & F_SPREAD_CHUNKS);
-  const int gw = spread ? warp * (int)gridDim.x + c : c * kWarps + warp;
+  const int gw = kSpread ? warp * (int)gridDim.x + c : c * kWarps + warp;
   const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);
@@ -645,14 +646,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       // by the grid's last CTA, whose warps hold no row (at most: units * nch <= nw): on CTA 0
       // the mismatch load and the stores sat in front of the first row's first chunk
-      // (spread, kSpecReply: by its last warp, which then holds a chunk only when units * nch
-      // > nw - G, never in kSpecReply)
-      const bool last_warp = spread || kForm == kSpecReply;
-      const int t0 = last_warp ? tid - (kWarps - 1) * 32 : tid;
-      const int ts = last_warp ? 32 : (int)blockDim.x;
-      for (int ai = t0; llf && c == (int)gridDim.x - 1 && t0 >= 0 && ai < L.A; ai += ts) {
-        const int sb = L.mismatch[ai];
-        st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
+      if (kSpread || kForm == kSpecReply) {
+        // by its last warp (gw = nw - 1: a chunk only when units * nch = nw; never in
+        // kSpecReply), which did not fill s_ab's entries and meets no barrier before these
+        for (int ai = lane; llf && c == (int)gridDim.x - 1 && warp == kWarps - 1 && ai < L.A;
+             ai += 32) {
+          const int sb = L.mismatch[ai];
+          st_ll2(llc_start(L, attn_window(L, ai), L.my_index), sb ? a.bucket : 0, sb, llf);
+        }
+      } else {
+        for (int ai = tid; llf && c == (int)gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
+          const int sb = L.mismatch[ai];
+          st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
+        }
       }
       if (kForm == kSpecReply) {
         // unit u on warp u / G of CTA u % G: at most kSpecWarps warps of a CTA (the host's
@@ -754,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 
   if (kForm == kEarlyCollect) {  // F_EARLY_COLLECT: (a collect-only form)
     __shared__ int s_lle[3 * kMaxFfn];
-    if (!__syncthreads_and(collect_early(L, a, n, deadline, s_lle) ? 1 : 0)) return;
+    if (!__syncthreads_and(collect_early<kSpread>(L, a, n, deadline, s_lle) ? 1 : 0)) return;
   } else if (!kSendOnly && a.do_recv) {
     // F_EARLY_LOADS: the route of this warp's first token, loaded before the wait (the
     // dispatch kernel wrote it earlier in this stream), not after it
@@ -892,25 +898,34 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   return recv ? kCountRecv : kGeneric;
 }
 
+// F_SPREAD_CHUNKS: a form that moves a small row's chunks, in its spread instantiation
+template <int kForm>
+cudaError_t launch_spreadable(bool spread, const Layout& L, const CombineArgs& a, int grid,
+                              cudaStream_t stream) {
+  return spread ? launch_transport_kernel(combine_kernel<kForm, true>, L, a, grid, 0, stream)
+                : launch_transport_kernel(combine_kernel<kForm>, L, a, grid, 0, stream);
+}
+
 cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cudaStream_t stream,
                            int* form) {
   const int f = combine_form(L, a, grid);
   if (form != nullptr) *form = f;
+  const bool spread = (L.flags & F_SPREAD_CHUNKS) != 0;
   switch (f) {
     case kSmallSend:
-      return launch_transport_kernel(combine_kernel<kSmallSend>, L, a, grid, 0, stream);
+      return launch_spreadable<kSmallSend>(spread, L, a, grid, stream);
     case kSmallRecv:
-      return launch_transport_kernel(combine_kernel<kSmallRecv>, L, a, grid, 0, stream);
+      return launch_spreadable<kSmallRecv>(spread, L, a, grid, stream);
     case kCountSend:
       return launch_transport_kernel(combine_kernel<kCountSend>, L, a, grid, 0, stream);
     case kUnitReply:
-      return launch_transport_kernel(combine_kernel<kUnitReply>, L, a, grid, 0, stream);
-    case kSpecReply:
-      return launch_transport_kernel(combine_kernel<kSpecReply>, L, a, grid, 0, stream);
+      return launch_spreadable<kUnitReply>(spread, L, a, grid, stream);
     case kCountRecv:
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     case kEarlyCollect:
-      return launch_transport_kernel(combine_kernel<kEarlyCollect>, L, a, grid, 0, stream);
+      return launch_spreadable<kEarlyCollect>(spread, L, a, grid, stream);
+    case kSpecReply:
+      return launch_transport_kernel(combine_kernel<kSpecReply>, L, a, grid, 0, stream);
     default:
       return launch_transport_kernel(combine_kernel<kGeneric>, L, a, grid, 0, stream);
   }

@@ -498,14 +498,18 @@ def test_early_expand_sanitizer_small():
 SPREAD = {"AFDEP_SPREAD_CHUNKS": "1"}
 
 
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
-                                          ("1A3F", "bfloat16")])
-def test_spread_chunks_eager(layout, dtype):
+@pytest.mark.parametrize("layout,dtype,local_sms", [
+    ("1A1F", "bfloat16", 0), ("1A1F", "float8_e4m3fn", 0), ("2A2F", "bfloat16", 0),
+    ("3A1F", "float8_e4m3fn", 0), ("1A3F", "bfloat16", 0), ("1A1F", "bfloat16", 5),
+    ("2A2F", "bfloat16", 1)])
+def test_spread_chunks_eager(layout, dtype, local_sms):
     """AFDEP_SPREAD_CHUNKS=1: every exchange of llx_plan exact on every rank, its small-bucket
-    replies in kUnitReply and its collects in kSmallRecv with the chunks spread."""
+    replies in kUnitReply and its collects in kSmallRecv with the chunks spread; on the
+    automatic local grid (one CTA per SM) and on grids of 5 and 1 CTAs (fewer CTAs than a
+    row's chunks: a CTA takes several, G = 1 the default mapping)."""
     A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=SPREAD, seed=43)
+    kw = dict(cfg_kw(layout, 128, 2048, dtype), local_sms=local_sms)
+    res = run(layout, kw, llx_plan(A), env=SPREAD, seed=43)
     for r, st in enumerate(res):
         assert st["flags"] & controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit, (r, hex(st["flags"]))
         want = "kUnitReply" if st["role"] == "ffn" else "kSmallRecv"
@@ -515,12 +519,12 @@ def test_spread_chunks_eager(layout, dtype):
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_spread_chunks_graph_replays(dtype, bucket, tokens):
-    """AFDEP_SPREAD_CHUNKS=1, 100 checked graph replays around the units' edge (bucket 8: the
-    reply in kUnitReply, the collect in kSmallRecv)."""
-    units = bucket <= 24
+    """AFDEP_SPREAD_CHUNKS=1, 100 checked graph replays around the reply units' edge (buckets 8
+    and 48: kUnitReply, spread; 49: kCountSend, not spread); every collect in kSmallRecv."""
+    # the reply's units up to bucket 48 (2 x 24 channels), the count form above
     graph_replays_1a1f(dtype, bucket, tokens, SPREAD, 9700,
-                       forms=((None, "kUnitReply" if units else None),
-                              (None, "kSmallRecv" if units else None)))
+                       forms=((None, "kUnitReply" if bucket <= 48 else "kCountSend"),
+                              (None, "kSmallRecv")))
 
 
 def test_spread_chunks_sanitizer_small():

@@ -129,10 +129,11 @@ def test_units_hostile_graph_replays(layout, arm):
     count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
     early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly;
     spread: AFDEP_SPREAD_CHUNKS=1 (experimental), the reply's and collect's chunks spread. The
-    collect takes the units with a barrier behind the start units in either arm (kSmallRecv:
-    AFDEP_EARLY_COLLECT is the token layout's). Out-of-range ids reported on the Attention
-    rank after the replays that had them, every valid entry exact on every rank, NaN / Inf
-    passed through, tokens without a route giving zeros."""
+    collect takes the units with a barrier behind the start units in every arm (kSmallRecv:
+    AFDEP_EARLY_COLLECT is the token layout's), the reply is kUnitReply in every arm.
+    Out-of-range ids reported on the Attention rank after the replays that had them, every
+    valid entry exact on every rank, NaN / Inf passed through, tokens without a route giving
+    zeros."""
     scen = SCEN_LLX[layout]
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
@@ -147,8 +148,9 @@ def test_units_hostile_graph_replays(layout, arm):
         want = {"ffn": receive if units else "kCountRecv",
                 "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
-        if s["role"] == "attention":
-            assert s["forms"][1] == {"kSmallRecv"}, s["forms"]
+        # and the reply in units (bucket 48 <= 2 x 48 channels), spread in the spread arm
+        assert s["forms"][1] == {"kSmallRecv" if s["role"] == "attention" else "kUnitReply"}, \
+            s["forms"]
     for s in _att(stats):
         assert s["route_errors"] > 0, s
 
