@@ -84,12 +84,15 @@ def parse_resources(text: str) -> Dict[str, Dict[str, int]]:
 
 def short_name(mangled: str) -> str:
     """The kernel's own name inside the mangled one (dispatch_kernel, combine_kernel, ...),
-    with its integer template argument where it has one (dispatch_kernel<1>: KernelForm)."""
-    found = re.findall(r"\d+([a-z_]+_kernel)(?:ILi(\d+)EE)?E", mangled)
+    with its integer template argument where it has one (dispatch_kernel<1>: KernelForm) and
+    its bool one where it has that too (combine_kernel<1, true>: AFDEP_SPREAD_CHUNKS')."""
+    found = re.findall(r"\d+([a-z_]+_kernel)(?:ILi(\d+)E(?:Lb([01])E)?E)?E", mangled)
     if not found:
         return mangled
-    name, form = found[-1]
-    return f"{name}<{form}>" if form else name
+    name, form, flag = found[-1]
+    if not form:
+        return name
+    return f"{name}<{form}, true>" if flag == "1" else f"{name}<{form}>"
 
 
 def form_names(header: Optional[str] = None) -> Dict[int, str]:
@@ -177,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     forms = form_names()
     for name, insns in kernels.items():
         short = short_name(name)
-        form = re.search(r"<(\d+)>$", short)
+        form = re.search(r"<(\d+)(?:, true)?>$", short)
         if form and int(form.group(1)) in forms:  # the form's name (KernelForm, afdep/forms.h)
             short = f"{short} {forms[int(form.group(1))]}"
         if args.kernel and args.kernel not in short:

@@ -61,6 +61,11 @@ def test_short_name_keeps_the_kernel_form():
                            "kernelILi2EEEvNS_6LayoutENS_12DispatchArgsE") == "dispatch_kernel<2>"
     assert tool.short_name("_ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a612stamp_kernelEPm"
                            ) == "stamp_kernel"
+    # combine_kernel<form, kSpread>: the spread instantiation named, the other as before
+    pre = "_ZN5afdep43_GLOBAL__N__0e19ca8f_10_combine_cu_cdb2156f14combine_kernel"
+    post = "EEvNS_6LayoutENS_11CombineArgsE"
+    assert tool.short_name(pre + "ILi5ELb1E" + post) == "combine_kernel<5, true>"
+    assert tool.short_name(pre + "ILi11ELb0E" + post) == "combine_kernel<11>"
 
 
 RESOURCES = """
