@@ -274,6 +274,8 @@ def test_bucket_mismatch_reported_on_both_roles(case):
             want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]
                     else "kSmallRecv")
             assert a[1] == want, (i, a)
+        if case.startswith("spec_reply"):  # its FFN bucket's 2 or 4 rows fit the stage
+            assert f[1] == "kSpecReply", (i, f)
 
     f, a = ffn["exchanges"][1], attn["exchanges"][1]
     _, bucket_a, bucket_f = exchanges[1]

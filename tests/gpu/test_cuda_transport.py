@@ -531,8 +531,11 @@ def test_spread_chunks_sanitizer_small():
     """Small 1A1F exchanges with AFDEP_SPREAD_CHUNKS=1 (run under compute-sanitizer by
     scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
     kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
-                     (8, [1], "skewed"), (24, [0], "random")], env=SPREAD, seed=47)
+    res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                           (8, [1], "skewed"), (24, [0], "random")], env=SPREAD, seed=47)
+    assert res[0]["forms"][1] == {"kUnitReply", "kCountSend"}, res[0]["forms"]  # rank 0: FFN
+    # T = 64 > 2 x 24 channels: the count form's collect (not a spread form)
+    assert res[1]["forms"][1] == {"kSmallRecv", "kCountRecv"}, res[1]["forms"]
 
 
 # AFDEP_SPEC_REPLY (experimental, off by default): where the A * bucket * R rows are few
@@ -589,8 +592,25 @@ def test_spec_reply_sanitizer_small():
     """Small 1A1F exchanges with AFDEP_SPEC_REPLY=1 (run under compute-sanitizer by
     scripts/gpu_suite.sh): kSpecReply at buckets 1 and 2 (T 0, 1, 2), kUnitReply at 8."""
     kw = cfg_kw("1A1F", 16, 1024, "bfloat16")
-    run("1A1F", kw, [(1, [1], "random"), (2, [2], "skewed"), (2, [0], "random"),
-                     (1, [1], "partial"), (8, [5], "random")], env=SPEC, seed=59)
+    res = run("1A1F", kw, [(1, [1], "random"), (2, [2], "skewed"), (2, [0], "random"),
+                           (1, [1], "partial"), (8, [5], "random")], env=SPEC, seed=59)
+    assert res[0]["forms"][1] == {"kSpecReply", "kUnitReply"}, res[0]["forms"]  # rank 0: FFN
+
+
+@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
+def test_spread_and_spec_reply_without_param_bases(layout):
+    """AFDEP_SPREAD_CHUNKS=1 and AFDEP_SPEC_REPLY=1 together with AFDEP_PARAM_BASES=0: every
+    window base is then two dependent global loads, so a start unit written through a base
+    another warp had not yet stored (the race a review found in their first version) would
+    land elsewhere and the collect would miss it; spec_plan and llx_plan exact on every rank,
+    the replies in kSpecReply and in kUnitReply's spread instantiation."""
+    A = LAYOUTS[layout][1]
+    env = {**SPREAD, **SPEC, "AFDEP_PARAM_BASES": "0"}
+    res = run(layout, cfg_kw(layout, 128, 2048), spec_plan(A) + llx_plan(A), env=env, seed=61)
+    for r, st in enumerate(res):
+        if st["role"] == "ffn":
+            # (bucket 128 takes the count form or the generic reply, by the grid)
+            assert {"kSpecReply", "kUnitReply"} <= st["forms"][1], (r, st["forms"])
 
 
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/

@@ -50,7 +50,7 @@ __host__ __device__ constexpr bool form_recv_only(int f) {
 }
 
 // kSpecReply (F_SPEC_REPLY): a warp stages its chunk of every row, at most kSpecVecs 16-byte
-// vectors a lane (32 KB a CTA, so no more than kSpecWarps warps of a CTA hold a chunk)
+// vectors a lane (8 KB a warp; no more than kSpecWarps warps of a CTA hold a chunk)
 constexpr int kSpecVecs = 16;
 constexpr int kSpecWarps = 2;
 
