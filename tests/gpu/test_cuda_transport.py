@@ -489,8 +489,9 @@ def test_early_expand_sanitizer_small():
     """Small 1A1F exchanges with AFDEP_EARLY_EXPAND=1 (run under compute-sanitizer by
     scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
     kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
-                     (8, [1], "skewed"), (24, [0], "random")], env=EARLY_EXPAND, seed=41)
+    res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                           (8, [1], "skewed"), (24, [0], "random")], env=EARLY_EXPAND, seed=41)
+    assert res[0]["forms"][0] == {"kUnitExpEarly", "kCountRecvLL"}, res[0]["forms"]  # FFN
 
 
 # AFDEP_SPREAD_CHUNKS (experimental, off by default): the small combine forms give a row's
