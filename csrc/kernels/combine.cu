@@ -197,11 +197,11 @@ __device__ void reply_spec_chunk(const Layout& L, const CombineArgs& a, int q, i
       }
     }
   }
-  uint64_t* dstu = llc_row(L, attn_window(L, ai), L.my_index, tok);
-  if (v0 + lane < v1) st_ll_vec(dstu + 4 * (size_t)(v0 + lane), nvalid == 1 ? one0 : pack_bf16x8(acc0), llf);
-  if (two && v0 + lane + 32 < v1)
-    st_ll_vec(dstu + 4 * (size_t)(v0 + lane + 32), nvalid == 1 ? one1 : pack_bf16x8(acc1), llf);
-  __syncwarp();  // the stage is reused by this warp's next chunk
+  // (one chunk a warp, kSpecReply's mapping: the stage is not reused)
+  uint64_t* dstu = llc_row(L, attn_window(L, ai), L.my_index, tok) + 4 * (size_t)(v0 + lane);
+  if (v0 + lane < v1) st_ll_vec(dstu, nvalid == 1 ? one0 : pack_bf16x8(acc0), llf);
+  if (two && v0 + lane + 32 < v1)  // the lane's second vector: 32 vectors of 4 units on
+    st_ll_vec(dstu + 128, nvalid == 1 ? one1 : pack_bf16x8(acc1), llf);
 }
 
 // FFN, token layout: row i of rows [A*rps, H] is already the token's reply (the caller
