@@ -465,7 +465,8 @@ def _arms():
 
     arms = [("default", {})]
     for name, setting in env.CONTROLS.items():
-        if name in ("AFDEP_LL_EXPERTS", "AFDEP_EARLY_EXPAND"):  # the expert layout's only
+        if name in ("AFDEP_LL_EXPERTS", "AFDEP_EARLY_EXPAND", "AFDEP_SPEC_REPLY"):
+            # the expert layout's only
             continue
         arms.append((f"{name}=0", {name: "0"}))
         if not setting.default:  # experimental controls: their path switched on too
