@@ -644,8 +644,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const bool units_fit = L.llc && (a.tokens ? a.rps : a.bucket) <= L.llc_tokens;
       const uint32_t llf = (kUnits || (!kSmall && units_fit)) ? ll_flag(n) : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
-      // by the grid's last CTA, whose warps hold no row (at most: units * nch <= nw): on CTA 0
-      // the mismatch load and the stores sat in front of the first row's first chunk
+      // The start units, by the grid's last CTA (on CTA 0 the mismatch load and the stores sat
+      // in front of the first row's first chunk)
       if (kSpread || kForm == kSpecReply) {
         // by its last warp (gw = nw - 1: a chunk only when units * nch = nw; never in
         // kSpecReply), which did not fill s_ab's entries and meets no barrier before these
@@ -654,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const int sb = L.mismatch[ai];
           st_ll2(llc_start(L, attn_window(L, ai), L.my_index), sb ? a.bucket : 0, sb, llf);
         }
-      } else {
+      } else {  // whose warps hold no row (at most: units * nch <= nw)
         for (int ai = tid; llf && c == (int)gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
           const int sb = L.mismatch[ai];
           st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
