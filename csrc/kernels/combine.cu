@@ -631,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (kSmall || (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw)) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       // every row (or slot) gets its own warps: about one unit per warp (chunk_log2)
-      const int lg = kForm == kSpecReply ? spec_chunk_log2(units, nw, nv)
+      const int lg = kForm == kSpecReply ? spec_chunk_log2(units, (int)gridDim.x, nv)
                                          : chunk_log2(units, nw, nv);
       const int nch = 1 << lg;
       const int cv = (nv + nch - 1) >> lg;
@@ -892,7 +892,7 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
   if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps && !L.sized)
     return !(L.llc && a.bucket <= L.llc_tokens) ? kCountSend
-           : (L.flags & F_SPEC_REPLY) && spec_reply_fits(L.A * a.bucket, L.R, L.H, grid, kWarps)
+           : (L.flags & F_SPEC_REPLY) && spec_reply_fits(L.A * a.bucket, L.R, L.H, grid)
                ? kSpecReply
                : kUnitReply;
   return recv ? kCountRecv : kGeneric;

@@ -554,22 +554,25 @@ def spec_plan(A):
             (8, [(7, 8)[a % 2] for a in range(A)], "skewed")]
 
 
-# (layout, hidden, dtype, kSpecReply expected): R = 8 in each layout; 1A1F and 1A3F stage 8
-# rows at bucket 1 and 16 at bucket 2 (H 7168: two vectors a lane, so bucket 1 only), 2A2F 16
-# rows at bucket 1; 3A1F's 24 rows at bucket 1 never fit
-SPEC_CASES = [("1A1F", 2048, "bfloat16", True), ("1A1F", 7168, "float8_e4m3fn", True),
-              ("2A2F", 2048, "bfloat16", True), ("1A3F", 4096, "bfloat16", True),
-              ("3A1F", 2048, "float8_e4m3fn", False)]
+# (layout, hidden, dtype, local_sms, kSpecReply expected): R = 8 in each layout; 1A1F and 1A3F
+# stage 8 rows at bucket 1 and 16 at bucket 2 (H 7168: two vectors a lane, so bucket 1 only),
+# 2A2F 16 rows at bucket 1; 3A1F's 24 rows at bucket 1 never fit; H 8192 on 8 CTAs: 16 chunks
+# of 64 vectors (two a lane: bucket 1 only), two warps a CTA
+SPEC_CASES = [("1A1F", 2048, "bfloat16", 0, True), ("1A1F", 7168, "float8_e4m3fn", 0, True),
+              ("2A2F", 2048, "bfloat16", 0, True), ("1A3F", 4096, "bfloat16", 0, True),
+              ("3A1F", 2048, "float8_e4m3fn", 0, False), ("1A1F", 8192, "bfloat16", 8, True)]
 
 
-@pytest.mark.parametrize("layout,hidden,dtype,spec", SPEC_CASES,
-                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" for c in SPEC_CASES])
-def test_spec_reply_eager(layout, hidden, dtype, spec):
+@pytest.mark.parametrize("layout,hidden,dtype,local_sms,spec", SPEC_CASES,
+                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" + (f"-G{c[3]}" if c[3] else "")
+                              for c in SPEC_CASES])
+def test_spec_reply_eager(layout, hidden, dtype, local_sms, spec):
     """AFDEP_SPEC_REPLY=1: every exchange of spec_plan exact on every rank (the FFN's rows
     past the last offset are NaN, ffn_compute: a reply that added a row no entry names would
     give NaN), its FFN replies in kSpecReply where the rows fit and in kUnitReply elsewhere."""
     A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 16, hidden, dtype), spec_plan(A), env=SPEC, seed=53)
+    kw = dict(cfg_kw(layout, 16, hidden, dtype), local_sms=local_sms)
+    res = run(layout, kw, spec_plan(A), env=SPEC, seed=53)
     for r, st in enumerate(res):
         assert st["flags"] & controls.CONTROLS["AFDEP_SPEC_REPLY"].bit, (r, hex(st["flags"]))
         if st["role"] == "ffn":

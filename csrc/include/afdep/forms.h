@@ -54,24 +54,24 @@ __host__ __device__ constexpr bool form_recv_only(int f) {
 constexpr int kSpecVecs = 16;
 constexpr int kSpecWarps = 2;
 
-// kSpecReply's chunks per receipt slot, log2: the largest power of two at or below both the
-// grid's warps per slot and the row's vectors / 32, at least 1 (chunk_log2's value, in integer
-// arithmetic without a division, so that the host's spec_reply_fits and the kernel agree
-// exactly).
-__host__ __device__ inline int spec_chunk_log2(int units, int warps, int nv) {
+// kSpecReply's chunks per receipt slot, log2: the largest power of two at or below the row's
+// vectors / 32 whose chunks of every slot fit kSpecWarps warps a CTA of `grid` CTAs, at least
+// 1 (fewer chunks than the grid's warps allow: each a longer chunk, rather than no kSpecReply
+// at all). Integer arithmetic without a division, so that the host's spec_reply_fits and the
+// kernel agree exactly.
+__host__ __device__ inline int spec_chunk_log2(int units, int grid, int nv) {
   int lg = 0;
-  while ((64 << lg) <= nv && (2 << lg) * units <= warps) ++lg;
+  while ((64 << lg) <= nv && (2 << lg) * units <= kSpecWarps * grid) ++lg;
   return lg;
 }
 
 // Whether the expert layout's one-pass reply of `units` receipt slots (A * bucket) on `grid`
-// CTAs of `warps_per_cta` warps can take kSpecReply: every row a slot's entries may name,
-// rows [0, units * R), staged by each chunk's warp (units * R rows x its vectors a lane at
-// most kSpecVecs, two vectors a lane at most), and at most kSpecWarps chunks a CTA (unit u on
-// warp u / grid of CTA u % grid).
-__host__ __device__ inline bool spec_reply_fits(int units, int R, int H, int grid,
-                                                int warps_per_cta) {
-  const int nv = H / 8, lg = spec_chunk_log2(units, grid * warps_per_cta, nv);
+// CTAs can take kSpecReply: every row a slot's entries may name, rows [0, units * R), staged
+// by each chunk's warp (units * R rows x its vectors a lane at most kSpecVecs, two vectors a
+// lane at most), and at most kSpecWarps chunks a CTA (unit u on warp u / grid of CTA
+// u % grid).
+__host__ __device__ inline bool spec_reply_fits(int units, int R, int H, int grid) {
+  const int nv = H / 8, lg = spec_chunk_log2(units, grid, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg, per_lane = (cv + 31) / 32;
   return units >= 1 && R >= 1 && R <= 32 && per_lane <= 2 &&
          units * R * per_lane <= kSpecVecs && (units << lg) <= kSpecWarps * grid;
