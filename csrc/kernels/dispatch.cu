@@ -743,6 +743,10 @@ __device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, ui
 // units into their inbox slots, where the FFN's view reads them after this kernel. Each row
 // is split into chunks over the grid's warps (one token's row would keep one warp busy for
 // several load latencies); every vector waits for its own four units.
+// kSpread (F_SPREAD_CHUNKS, kSmallRecv's spread instantiation): counted from the grid's end
+// warp-major (unit u on warp 15 - u / G of CTA G - 1 - u % G), so that a row's chunks spread
+// over up to G SMs instead of sitting on the last CTA's warps (at T = 1 its 16 KB of units)
+template <bool kSpread = false>
 __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n,
                               uint64_t deadline, const int* s_cnt, const int* s_form) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -751,7 +755,8 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
   // warps counted from the grid's end: the first rows' metadata (place_tokens) sits on the
   // first CTAs, so their rows move in parallel with it
   const int rows = stride * nreg, nw = gridDim.x * kWarps;
-  const int gw = nw - 1 - (int)(blockIdx.x * kWarps + warp);
+  const int gw = kSpread ? nw - 1 - (warp * (int)gridDim.x + (int)blockIdx.x)
+                         : nw - 1 - (int)(blockIdx.x * kWarps + warp);
   const int lg = chunk_log2(rows, nw, nv), nch = 1 << lg;
   const int cv = (nv + nch - 1) >> lg;
   const uint32_t llf = ll_flag(n);
@@ -1046,7 +1051,7 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
 // booked: every region's arrays are already written (the small receive books each region as
 // its wait ends) and published by a barrier. eager (F_EAGER_PLACE): the rows are placed
 // already (place_tokens_eager); only the token counts are left.
-template <int kForm>
+template <int kForm, bool kSpread = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem, bool booked, bool eager = false) {
   constexpr bool kSmall = kForm != kGeneric;
@@ -1140,7 +1145,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       }
     }
   }
-  if (kSmall || L.ll) place_rows_ll(L, a, n, deadline, s_cnt, s_form);
+  if (kSmall || L.ll) place_rows_ll<kSpread>(L, a, n, deadline, s_cnt, s_form);
 }
 
 // F_LL_EXPERTS, the expert layout's receive of flagged units (kUnitExpRecv). Every region is
@@ -1348,7 +1353,9 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
-template <int kForm>
+// kSpread (F_SPREAD_CHUNKS; kSmallRecv only, an instantiation of its own): place_rows_ll's
+// chunks warp-major
+template <int kForm, bool kSpread = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1570,7 +1577,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)
         expand_units<kForm == kUnitExpEarly>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
-        place_tokens<kForm>(L, a, n, deadline, smem, booked, eager);
+        place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked, eager);
       else expand<kForm>(L, a, n, deadline, smem);
     }
   }
@@ -1644,6 +1651,8 @@ cudaError_t dispatch_prepare(const Layout& L) {
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kEagerRecv>, attr, (int)smem);
@@ -1661,8 +1670,11 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
   switch (f) {
     case kSmallSend:
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
-    case kSmallRecv:
-      return launch_transport_kernel(dispatch_kernel<kSmallRecv>, L, a, grid, smem, stream);
+    case kSmallRecv:  // F_SPREAD_CHUNKS: its rows' placement in the spread instantiation
+      return (L.flags & F_SPREAD_CHUNKS)
+                 ? launch_transport_kernel(dispatch_kernel<kSmallRecv, true>, L, a, grid, smem,
+                                           stream)
+                 : launch_transport_kernel(dispatch_kernel<kSmallRecv>, L, a, grid, smem, stream);
     case kCountSend:
       return launch_transport_kernel(dispatch_kernel<kCountSend>, L, a, grid, smem, stream);
     case kCountRecv:

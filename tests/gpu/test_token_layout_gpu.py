@@ -522,10 +522,10 @@ def test_token_layout_controls(layout, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
-                             attention_form=None, ffn_form=None):
-    """attention_form / ffn_form: a kernel form (forms.h) that some collect of every Attention
-    rank / some reply of every FFN rank must have run (the test of a path then cannot pass on
-    another)."""
+                             attention_form=None, ffn_form=None, ffn_receive_form=None):
+    """attention_form / ffn_form / ffn_receive_form: a kernel form (forms.h) that some collect
+    of every Attention rank / some reply / some receive of every FFN rank must have run (the
+    test of a path then cannot pass on another)."""
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
                                   cap, zero_copy, env=env, timeout=240)
@@ -546,6 +546,8 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
             assert attention_form in out["forms"][1], (r, out["forms"])
         if ffn_form is not None and out["role"] == "ffn":
             assert ffn_form in out["forms"][1], (r, out["forms"])
+        if ffn_receive_form is not None and out["role"] == "ffn":
+            assert ffn_receive_form in out["forms"][0], (r, out["forms"])
         routes += out["route_errors"]
     ffn = [o for o in res if o["views"]]
     assert len(ffn) == f_n
@@ -629,13 +631,15 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
                          ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form"])
 def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
     """test_token_layout_early_collect_graphs with AFDEP_SPREAD_CHUNKS=1 (experimental): the
-    reply's (kSmallSend) and the collect's (kEarlyCollect, kSmallRecv) chunks of a row taken
-    by one warp on each of several CTAs; the same forms, every row exact."""
+    receive's (kSmallRecv, placing rows from their units), the reply's (kSmallSend) and the
+    collect's (kEarlyCollect, kSmallRecv) chunks of a row taken by one warp on each of several
+    CTAs; the same forms, every row exact."""
     test_token_layout_graphs(layout, dtype_name,
                              env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1",
                                   "AFDEP_SPREAD_CHUNKS": "1"}, cap=cap,
                              zero_copy=True, attention_form="kEarlyCollect",
-                             ffn_form="kSmallSend" if cap == 4 else None)
+                             ffn_form="kSmallSend" if cap == 4 else None,
+                             ffn_receive_form="kSmallRecv" if cap == 4 else None)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
