@@ -504,7 +504,7 @@ __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
   const int4* inbox = reinterpret_cast<const int4*>(own_window(L) + L.off_comb);
   const int src0 = role ? 0 : L.rank_of_ffn[0];
   const int nw = gridDim.x * (kWarps - 1);
-  const int gw = kSpread ? (warp - 1) * (int)gridDim.x + c : c * (kWarps - 1) + warp - 1;
+  const int gw = grid_warp<kSpread>(warp - 1, kWarps - 1);
   const int clg = chunk_log2_fill(a.T, nw, nv), cv = (nv + (1 << clg) - 1) >> clg;
   const uint64_t fmask = L.F < 64 ? (1ull << L.F) - 1 : ~0ull;
   ReplySeen seen;
@@ -613,7 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const bool all_peers = !kSmall && !(fl & F_ROLE_WARPS);
   const bool rwo = kSmall || (fl & F_RECEIVER_WAIT_ONLY) != 0;
   char* mine = own_window(L);
-  const int gw = kSpread ? warp * (int)gridDim.x + c : c * kWarps + warp;
+  const int gw = grid_warp<kSpread>(warp, kWarps);
   const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, -1);

@@ -199,6 +199,15 @@ __device__ __forceinline__ int fast_div(int n, const FastDiv& f) {
   return (int)((__umulhi((unsigned)n, f.m) + (unsigned)n) >> f.s);
 }
 
+// A warp's index among the grid's `per` warps a CTA (warp w of this CTA): CTA-major (the
+// default: a CTA's warps take consecutive units, so a small row's chunks sit on one CTA) or,
+// kSpread (F_SPREAD_CHUNKS), warp-major (consecutive units on consecutive CTAs, a small row's
+// chunks over up to gridDim.x SMs).
+template <bool kSpread>
+__device__ __forceinline__ int grid_warp(int w, int per) {
+  return kSpread ? w * (int)gridDim.x + (int)blockIdx.x : (int)blockIdx.x * per + w;
+}
+
 // Chunks per row for the small-T paths, whose rows get their own warps in one pass of the
 // grid: a power of two (so that unit u splits into chunk u & (nch - 1) and row u >> lg by a
 // mask and a shift), at most one chunk per lane-vector and about warps / units; the quotient

@@ -755,8 +755,7 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
   // warps counted from the grid's end: the first rows' metadata (place_tokens) sits on the
   // first CTAs, so their rows move in parallel with it
   const int rows = stride * nreg, nw = gridDim.x * kWarps;
-  const int gw = kSpread ? nw - 1 - (warp * (int)gridDim.x + (int)blockIdx.x)
-                         : nw - 1 - (int)(blockIdx.x * kWarps + warp);
+  const int gw = nw - 1 - grid_warp<kSpread>(warp, kWarps);
   const int lg = chunk_log2(rows, nw, nv), nch = 1 << lg;
   const int cv = (nv + nch - 1) >> lg;
   const uint32_t llf = ll_flag(n);

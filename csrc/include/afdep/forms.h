@@ -73,8 +73,8 @@ __host__ __device__ inline int spec_chunk_log2(int units, int grid, int nv) {
 __host__ __device__ inline bool spec_reply_fits(int units, int R, int H, int grid) {
   const int nv = H / 8, lg = spec_chunk_log2(units, grid, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg, per_lane = (cv + 31) / 32;
-  return units >= 1 && R >= 1 && R <= 32 && per_lane <= 2 &&
-         units * R * per_lane <= kSpecVecs && (units << lg) <= kSpecWarps * grid;
+  return units >= 1 && per_lane <= 2 && units * R * per_lane <= kSpecVecs &&
+         (units << lg) <= kSpecWarps * grid;
 }
 
 }  // namespace afdep
