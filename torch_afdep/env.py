@@ -196,6 +196,15 @@ _CONTROLS = (
              "may name lies in those rows), stages them in shared memory, and adds the rows "
              "its entries name in entry order: one load latency instead of two, the same "
              "outputs bit for bit; 0 = the receipt, then the rows it names (kUnitReply)"),
+    _control("AFDEP_LONE_SPLIT", 24, 0,
+             "experimental, off by default (not yet run on a GPU): with AFDEP_LONE_TOKEN, a "
+             "sender CTA of one token runs kLoneSplitSend: warp 0, which claims the token "
+             "(route, id checks, metadata units), loads and stores none of its row; the "
+             "other 15 warps load the row at the kernel's start (two vectors for some lanes) "
+             "and store all its units while warp 0 claims, so that no row unit goes out "
+             "behind the claim (rows of at most 960 16-byte vectors and 480 scales, e.g. "
+             "H7168 BF16; larger rows keep kSmallSend's mapping); the same units; 0 = every "
+             "warp holds its 32 vectors, warp 0 storing its own after its claim"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

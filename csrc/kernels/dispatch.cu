@@ -178,12 +178,25 @@ struct Preload {
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
   bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
+  bool split;        // F_LONE_SPLIT (lone only): the row on warps 1-15 (split_fits), none on 0
 };
 
+// F_LONE_SPLIT (kLoneSplitSend): a lone token's row and scales go to the threads past warp 0,
+// which claims meanwhile, so that no row unit goes out behind the claim: vector i of the row
+// on thread 32 + i % (kThreads - 32), in its register i / (kThreads - 32); scale q on thread
+// 32 + q. Where they do not fit (rows over 960 vectors, e.g. H8192 BF16) every thread holds
+// its vectors as without the control.
+constexpr int kSplitThreads = kThreads - 32;
+__host__ __device__ __forceinline__ bool split_fits(int nv, int scale_cols) {
+  return nv <= kPreVecs * kSplitThreads && scale_cols <= kSplitThreads;
+}
+
 // units: this launch sends flagged units (F_LL_SMALL)
+// kSplit (kLoneSplitSend, F_LONE_SPLIT): a lone token's row on the threads past warp 0
+template <bool kSplit = false>
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
                                                Preload& p, bool units) {
-  p.ids = p.rows = p.lone = false;
+  p.ids = p.rows = p.lone = p.split = false;
   p.e = -1;
   p.w = 0.f;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
@@ -206,6 +219,16 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                 (size_t)lo * L.row_bytes);
+  if (kSplit && p.lone && split_fits(nv, L.scale_cols)) {
+    p.split = true;
+    if (warp == 0) return;
+#pragma unroll
+    for (int j = 0; j < kPreVecs; ++j)
+      if (tid - 32 + j * kSplitThreads < nv) p.v[j] = ld_nc_v4(x + tid - 32 + j * kSplitThreads);
+    if (L.scale_cols && tid - 32 < L.scale_cols)
+      p.s = a.x_scales[(size_t)lo * L.scale_cols + tid - 32];
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j)
     if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
@@ -218,14 +241,19 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
 // instead, each 16-byte vector as four units and each scale as one, flagged llf.
 // kLone (F_LONE_TOKEN): one token, in slot 0 of the FFN ranks in lone_mask, the windows from
 // ffn_window (s_slot and fb unused).
-template <bool kLone = false>
+// kSplit (kLoneSplitSend; with kLone): where p.split, the threads past warp 0 hold the row
+// (split_fits' mapping) and warp 0 stores nothing.
+template <bool kLone = false, bool kSplit = false>
 __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
                                const int* s_slot, int src_idx, int c, const Preload& p,
                                uint32_t llf, uint64_t lone_mask = 0) {
-  const int tid = threadIdx.x, nv = L.row_bytes / 16;
+  const bool split = kSplit && p.split;
+  if (split && threadIdx.x < 32) return;
+  const int tid = split ? threadIdx.x - 32 : threadIdx.x, nv = L.row_bytes / 16;
+  const int step = split ? kSplitThreads : kThreads;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
-    const int v = tid + j * kThreads;
+    const int v = tid + j * step;
     if (v >= ntok * nv) continue;
     const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
@@ -1329,6 +1357,9 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
 // barrier between the claim and the copy. Every unit carries its flag: any order will do.
 // The FFN windows come from ffn_window, not the kernel's shared table: nothing here waits at a
 // barrier behind the table's writes.
+// kSplit (kLoneSplitSend, F_LONE_SPLIT): where pre.split, warp 0 holds none of the row, so its
+// claim is the last thing it sends, not the row's first 32 vectors behind the claim
+template <bool kSplit = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
@@ -1345,7 +1376,7 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
     if (fd >= 0)
       st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
              kAheadNone | (a.bucket << kAheadBits), llf);
-  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  copy_preloaded<true, kSplit>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
   trace_mark(L, kTrCopied, -1);
   trace_mark(L, kTrSent, kTrMaxSent);
 }
@@ -1372,7 +1403,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // one H200 under MPS timed out); the combine then launches as this grid ends.
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
-  if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
+  if (!kRecvOnly) preload_sender<kForm == kLoneSplitSend>(L, a, pre, kUnits);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -1402,7 +1433,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
-    send_lone_token(L, a, n, pre);
+    send_lone_token<kForm == kLoneSplitSend>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
@@ -1622,15 +1653,18 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
   // forms hold the expert layout's units, so they run with debug output on too
   // (a launch of both roles, the last case, cannot occur with the directional controls)
+  // F_LONE_SPLIT: the units' sender in kLoneSplitSend (its lone path needs F_LONE_TOKEN)
+  const int small_send = (L.flags & F_LONE_SPLIT) && (L.flags & F_LONE_TOKEN) ? kLoneSplitSend
+                                                                               : kSmallSend;
   if (L.llx && llx_exchange(L, a))
-    return send ? kSmallSend
+    return send ? small_send
            : recv ? ((L.flags & F_EARLY_EXPAND) ? kUnitExpEarly : kUnitExpRecv)
                   : kGeneric;
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
   if (L.ll) {
     if (!ll_exchange(L, a)) return kGeneric;
-    if (send) return kSmallSend;
+    if (send) return small_send;
     // F_EAGER_PLACE: its own form, so that kSmallRecv keeps its compact code without it
     return recv ? ((L.flags & F_EAGER_PLACE) ? kEagerRecv : kSmallRecv) : kGeneric;
   }
@@ -1649,6 +1683,8 @@ cudaError_t dispatch_prepare(const Layout& L) {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kLoneSplitSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
@@ -1669,6 +1705,8 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
   switch (f) {
     case kSmallSend:
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
+    case kLoneSplitSend:
+      return launch_transport_kernel(dispatch_kernel<kLoneSplitSend>, L, a, grid, smem, stream);
     case kSmallRecv:  // F_SPREAD_CHUNKS: its rows' placement in the spread instantiation
       return (L.flags & F_SPREAD_CHUNKS)
                  ? launch_transport_kernel(dispatch_kernel<kSmallRecv, true>, L, a, grid, smem,

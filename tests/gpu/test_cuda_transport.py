@@ -254,11 +254,11 @@ GRAPH_CELLS = [("bfloat16", 8, 1), ("bfloat16", 128, 128), ("float8_e4m3fn", 204
 GRAPH_IDS = ["bf16-T1", "bf16-T128", "fp8-T1180"]
 
 
-def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None):
-    """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh inputs each;
-    ``forms``: the kernel forms the captured launches must run, (FFN's, Attention's), each
-    (dispatch or receive, reply or collect), None for a phase not checked."""
-    kw = cfg_kw("1A1F", bucket, 2048, dtype)
+def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None, hidden=2048):
+    """100 checked CUDA-graph replays of one 1A1F exchange (H2048 unless ``hidden``), fresh
+    inputs each; ``forms``: the kernel forms the captured launches must run, (FFN's,
+    Attention's), each (dispatch or receive, reply or collect), None for a phase not checked."""
+    kw = cfg_kw("1A1F", bucket, hidden, dtype)
     res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed, "partial",
                           forms is not None, env={**BASE_ENV, **env}, timeout=600)
     if forms is None:
@@ -615,6 +615,68 @@ def test_spread_and_spec_reply_without_param_bases(layout):
         if st["role"] == "ffn":
             # (bucket 128 takes the count form or the generic reply, by the grid)
             assert {"kSpecReply", "kUnitReply"} <= st["forms"][1], (r, st["forms"])
+
+
+# AFDEP_LONE_SPLIT (experimental, off by default): a sender CTA of one token (T <= num_sms on
+# the flagged units, either layout) runs kLoneSplitSend, its row on warps 1-15 and none on
+# the claiming warp 0 (rows of at most 960 vectors; a larger row keeps the default mapping)
+LONE_SPLIT = {"AFDEP_LONE_SPLIT": "1"}
+
+# (layout, hidden, dtype): the row's vectors on warps 1-15 in one register (H2048 BF16: 256;
+# FP8 H7168: 448 and 56 scales), in two for some lanes (H4096 BF16: 512, H7168 BF16: 896),
+# and H8192 BF16 (1024 vectors: the default mapping inside kLoneSplitSend)
+LONE_SPLIT_CASES = [("1A1F", 2048, "bfloat16"), ("1A1F", 4096, "bfloat16"),
+                    ("1A1F", 7168, "bfloat16"), ("1A1F", 7168, "float8_e4m3fn"),
+                    ("1A1F", 8192, "bfloat16"), ("2A2F", 4096, "bfloat16"),
+                    ("3A1F", 2048, "float8_e4m3fn"), ("1A3F", 4096, "bfloat16")]
+
+
+@pytest.mark.parametrize("layout,hidden,dtype", LONE_SPLIT_CASES,
+                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" for c in LONE_SPLIT_CASES])
+def test_lone_split_eager(layout, hidden, dtype):
+    """AFDEP_LONE_SPLIT=1: every exchange of llx_plan exact on every rank (the FFN's rows,
+    offsets, weights, payload bits and receipts against every source; the Attention's output
+    against the fp64 reference), every Attention dispatch of flagged units (buckets 2, 8, 24:
+    one token a channel, T = 1, 7, 24) in kLoneSplitSend and never in kSmallSend."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, hidden, dtype), llx_plan(A), env=LONE_SPLIT, seed=67)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_LONE_SPLIT"].bit, (r, hex(st["flags"]))
+        if st["role"] == "attention":  # (bucket 128 at H >= 4096: the generic kernel)
+            assert "kLoneSplitSend" in st["forms"][0], (r, st["forms"])
+            assert "kSmallSend" not in st["forms"][0], (r, st["forms"])
+
+
+def test_lone_split_needs_lone_token():
+    """AFDEP_LONE_SPLIT=1 with AFDEP_LONE_TOKEN=0: no CTA takes the lone path, so the units'
+    sender stays kSmallSend (kLoneSplitSend would be kSmallSend under another name); exact."""
+    res = run("1A1F", cfg_kw("1A1F", 128, 4096), llx_plan(1),
+              env={**LONE_SPLIT, "AFDEP_LONE_TOKEN": "0"}, seed=71)
+    forms = res[1]["forms"][0]  # rank 1: the Attention rank
+    assert "kSmallSend" in forms and "kLoneSplitSend" not in forms, forms
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens,hidden", [("bfloat16", 8, 1, 4096),
+                                                        ("float8_e4m3fn", 24, 24, 7168),
+                                                        ("bfloat16", 24, 7, 7168)],
+                         ids=["bf16-B8-T1-H4096", "fp8-B24-T24-H7168", "bf16-B24-T7-H7168"])
+def test_lone_split_graph_replays(dtype, bucket, tokens, hidden):
+    """AFDEP_LONE_SPLIT=1, 100 checked graph replays of one-token channels (the Attention's
+    dispatch in kLoneSplitSend, the FFN's receive in kUnitExpRecv), rows that some lanes hold
+    in two registers (H4096 and H7168 BF16) and FP8 with its scales."""
+    graph_replays_1a1f(dtype, bucket, tokens, LONE_SPLIT, 9900, hidden=hidden,
+                       forms=(("kUnitExpRecv", None), ("kLoneSplitSend", None)))
+
+
+def test_lone_split_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_LONE_SPLIT=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): one-token channels at buckets 24 and 8 (T 1, 7, 24; H 4096, so
+    that lanes of warp 1 hold two vectors), the count form at 64."""
+    kw = cfg_kw("1A1F", 64, 4096, "bfloat16")
+    res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                           (8, [1], "skewed"), (24, [0], "random")], env=LONE_SPLIT, seed=73)
+    forms = res[1]["forms"][0]  # rank 1: the Attention rank
+    assert "kLoneSplitSend" in forms and "kSmallSend" not in forms, forms
 
 
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/

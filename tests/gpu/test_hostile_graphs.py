@@ -120,7 +120,8 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread"])
+@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread",
+                                 "lone_split"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
@@ -128,7 +129,9 @@ def test_units_hostile_graph_replays(layout, arm):
     defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
     count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
     early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly;
-    spread: AFDEP_SPREAD_CHUNKS=1 (experimental), the reply's and collect's chunks spread. The
+    spread: AFDEP_SPREAD_CHUNKS=1 (experimental), the reply's and collect's chunks spread;
+    lone_split: AFDEP_LONE_SPLIT=1 (experimental), the dispatch in kLoneSplitSend (warp 0
+    claims, checking the ids, and stores none of the row). The
     collect takes the units with a barrier behind the start units in every arm (kSmallRecv:
     AFDEP_EARLY_COLLECT is the token layout's), the reply is kUnitReply in every arm.
     Out-of-range ids reported on the Attention rank after the replays that had them, every
@@ -138,15 +141,17 @@ def test_units_hostile_graph_replays(layout, arm):
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
            "early_expand": {"AFDEP_EARLY_EXPAND": "1"},
-           "spread": {"AFDEP_SPREAD_CHUNKS": "1"}}[arm]
+           "spread": {"AFDEP_SPREAD_CHUNKS": "1"},
+           "lone_split": {"AFDEP_LONE_SPLIT": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
     receive = "kUnitExpEarly" if arm == "early_expand" else "kUnitExpRecv"
+    send = "kLoneSplitSend" if arm == "lone_split" else "kSmallSend"
     for s in stats:
         assert s["checked"] == _replays(scen), s
         # the arm's dispatch path ran, and the expert layout's collect never takes the early one
         want = {"ffn": receive if units else "kCountRecv",
-                "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
+                "attention": send if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
         # and the reply in units (bucket 48 <= 2 x 48 channels), spread in the spread arm
         assert s["forms"][1] == {"kSmallRecv" if s["role"] == "attention" else "kUnitReply"}, \

@@ -522,10 +522,12 @@ def test_token_layout_controls(layout, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
-                             attention_form=None, ffn_form=None, ffn_receive_form=None):
-    """attention_form / ffn_form / ffn_receive_form: a kernel form (forms.h) that some collect
-    of every Attention rank / some reply / some receive of every FFN rank must have run (the
-    test of a path then cannot pass on another)."""
+                             attention_form=None, ffn_form=None, ffn_receive_form=None,
+                             attention_send_form=None):
+    """attention_form / ffn_form / ffn_receive_form / attention_send_form: a kernel form
+    (forms.h) that some collect of every Attention rank / some reply / some receive of every
+    FFN rank / some dispatch of every Attention rank must have run (the test of a path then
+    cannot pass on another)."""
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
                                   cap, zero_copy, env=env, timeout=240)
@@ -548,6 +550,8 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
             assert ffn_form in out["forms"][1], (r, out["forms"])
         if ffn_receive_form is not None and out["role"] == "ffn":
             assert ffn_receive_form in out["forms"][0], (r, out["forms"])
+        if attention_send_form is not None and out["role"] == "attention":
+            assert attention_send_form in out["forms"][0], (r, out["forms"])
         routes += out["route_errors"]
     ffn = [o for o in res if o["views"]]
     assert len(ffn) == f_n
@@ -642,6 +646,18 @@ def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
                              ffn_receive_form="kSmallRecv" if cap == 4 else None)
 
 
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
+def test_token_layout_lone_split_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_LONE_SPLIT=1 (experimental): a sender CTA
+    holding one token (T = 1, and one of the two CTAs at T = 3) runs kLoneSplitSend, its row's
+    units stored by warps 1-15 while warp 0 claims and stores none; every row exact, hostile
+    ids reported, 100 checked replays."""
+    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                                      "AFDEP_LONE_SPLIT": "1"},
+                             cap=4, zero_copy=True, attention_send_form="kLoneSplitSend")
+
+
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_eager_place_sized_graphs(layout, dtype_name):
@@ -689,6 +705,15 @@ def test_token_layout_spread_chunks_sanitizer_small():
                                   env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "1"},
                                   timeout=900)
     _check_small(res, "bfloat16")
+
+
+def test_token_layout_lone_split_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small with AFDEP_LONE_SPLIT=1, under
+    compute-sanitizer memcheck."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "float8_e4m3fn", 10, 4, True,
+                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_LONE_SPLIT": "1"},
+                                  timeout=900)
+    _check_small(res, "float8_e4m3fn")
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

@@ -21,7 +21,9 @@ namespace afdep {
 // F_EARLY_COLLECT: its code kept out of kSmallRecv); kUnitExpRecv issuing its first unit's
 // loads before the table's pass (kUnitExpEarly, F_EARLY_EXPAND: its code kept out of
 // kUnitExpRecv); kUnitReply with few rows in all, each warp loading its chunk of every row
-// with its slot's receipt instead of after it (kSpecReply, F_SPEC_REPLY: spec_reply_fits).
+// with its slot's receipt instead of after it (kSpecReply, F_SPEC_REPLY: spec_reply_fits);
+// kSmallSend whose lone token's row sits on the warps past the claiming warp 0
+// (kLoneSplitSend, F_LONE_SPLIT: its code kept out of kSmallSend).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend: the
@@ -30,7 +32,7 @@ namespace afdep {
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kEagerRecv, 6) X(kUnitExpRecv, 7) X(kCountRecvLL, 8)                 \
-  X(kEarlyCollect, 9) X(kUnitExpEarly, 10) X(kSpecReply, 11)
+  X(kEarlyCollect, 9) X(kUnitExpEarly, 10) X(kSpecReply, 11) X(kLoneSplitSend, 12)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -39,10 +41,11 @@ enum KernelForm : int {
 };
 __host__ __device__ constexpr bool form_units(int f) {
   return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kUnitExpEarly;
+         f == kUnitExpEarly || f == kLoneSplitSend;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
-  return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kSpecReply;
+  return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kSpecReply ||
+         f == kLoneSplitSend;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||

@@ -56,7 +56,9 @@ namespace afdep {
                                of several CTAs, not to one CTA's warps (experimental) */      \
   X(SPEC_REPLY, 23)         /* the expert layout's units reply with few rows in all: each     \
                                warp loads its chunk of every row with its receipt, not after  \
-                               it (kSpecReply, experimental) */
+                               it (kSpecReply, experimental) */                               \
+  X(LONE_SPLIT, 24)         /* F_LONE_TOKEN: the claiming warp 0 holds none of the row; the   \
+                               others store it all (kLoneSplitSend, experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
