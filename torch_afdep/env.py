@@ -201,10 +201,10 @@ _CONTROLS = (
              "sender CTA of one token runs kLoneSplitSend: warp 0, which claims the token "
              "(route, id checks, metadata units), loads and stores none of its row; the "
              "other 15 warps load the row at the kernel's start (two vectors for some lanes) "
-             "and store all its units while warp 0 claims, so that no row unit goes out "
+             "and store all its units while warp 0 claims, so that no row store waits "
              "behind the claim (rows of at most 960 16-byte vectors and 480 scales, e.g. "
-             "H7168 BF16; larger rows keep kSmallSend's mapping); the same units; 0 = every "
-             "warp holds its 32 vectors, warp 0 storing its own after its claim"),
+             "H7168 BF16; larger rows keep kSmallSend's mapping); the same units; 0 = thread "
+             "i holds vectors i and i + 512, warp 0 storing its own after its claim"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -94,6 +94,13 @@ CASES = {
     "ll_experts_early_expand": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8), EXCHANGES),
     "ll_experts_early_expand_ffn_units": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8),
                                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_LONE_SPLIT (experimental): the Attention's units from kLoneSplitSend (T = 5 and 3
+    # over 8 channels: lone tokens) against the FFN's count form (its bucket 16) and the
+    # reverse (the Attention's bucket 16: the count form, kCountSend)
+    "ll_experts_lone_split_ffn_counts": ({"AFDEP_LONE_SPLIT": "1"}, dict(num_sms=8),
+                                         [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "ll_experts_lone_split_ffn_units": ({"AFDEP_LONE_SPLIT": "1"}, dict(num_sms=8),
+                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     # AFDEP_SPEC_REPLY (experimental): the FFN's reply in kSpecReply at its bucket 1 (2 rows)
     # and 2 (4 rows), the Attention's bucket the other
     "spec_reply": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(1, 1, 1), (1, 2, 1), (1, 1, 1)]),
@@ -267,7 +274,8 @@ def test_bucket_mismatch_reported_on_both_roles(case):
         elif case.startswith("ll_experts"):
             units = [-(-b // cfg_kw["num_sms"]) <= 1 for b in (bucket_a, bucket_f)]
             receive = "kUnitExpEarly" if "early_expand" in case else "kUnitExpRecv"
-            assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
+            send = "kLoneSplitSend" if "lone_split" in case else "kSmallSend"
+            assert a[0] == (send if units[0] else "kCountSend"), (i, a)
             assert f[0] == (receive if units[1] else "kCountRecvLL"), (i, f)
         if case.startswith("early_collect"):  # (T <= num_sms; above it kSmallRecv)
             tokens_layout = cfg_kw.get("receive_layout") == "tokens"

@@ -216,7 +216,8 @@ def eager_plan(cap):
     return [[0, 1, few], [cap, few, 1], [few, 0, cap], [1, cap, 0]]
 
 
-def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_copy=False):
+def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_copy=False,
+                     graph_tokens=None):
     import torch.distributed as dist
 
     import torch_afdep as ta
@@ -245,7 +246,9 @@ def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_c
         dist.barrier()
 
         # one exchange per rank in a CUDA graph
-        g_tokens = [[cap, min(20, cap - 1), min(3, cap)][a % 3] for a in range(a_n)]
+        # graph_tokens: the graph's T per Attention index (cycled) instead
+        cyc = graph_tokens or [cap, min(20, cap - 1), min(3, cap)]
+        g_tokens = [cyc[a % len(cyc)] for a in range(a_n)]
         first = [_inputs(cfg, a, g_tokens[a], 1000) for a in range(a_n)]
         if buf.role == "attention":
             me = buf.role_index
@@ -523,14 +526,15 @@ def test_token_layout_controls(layout, dtype_name):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
                              attention_form=None, ffn_form=None, ffn_receive_form=None,
-                             attention_send_form=None):
+                             attention_send_form=None, graph_tokens=None):
     """attention_form / ffn_form / ffn_receive_form / attention_send_form: a kernel form
     (forms.h) that some collect of every Attention rank / some reply / some receive of every
     FFN rank / some dispatch of every Attention rank must have run (the test of a path then
-    cannot pass on another)."""
+    cannot pass on another). graph_tokens: the graphs' T per Attention index (cycled; default
+    the bucket, 20 and 3, each at most the bucket)."""
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
-                                  cap, zero_copy, env=env, timeout=240)
+                                  cap, zero_copy, graph_tokens, env=env, timeout=240)
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
@@ -649,13 +653,15 @@ def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
 def test_token_layout_lone_split_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_LONE_SPLIT=1 (experimental): a sender CTA
-    holding one token (T = 1, and one of the two CTAs at T = 3) runs kLoneSplitSend, its row's
-    units stored by warps 1-15 while warp 0 claims and stores none; every row exact, hostile
-    ids reported, 100 checked replays."""
+    """test_token_layout_ll_small_graphs with AFDEP_LONE_SPLIT=1 (experimental), the graphs at
+    T = 2 and 1 (at most one token on each of the 2 channels): every sender CTA holding a
+    token runs kLoneSplitSend's lone path, its row's units stored by warps 1-15 while warp 0
+    claims and stores none; every row exact, hostile ids reported, 100 checked replays (the
+    eager plan's T = 3 and 4 put two tokens on a channel: kLoneSplitSend's other path)."""
     test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
                                                       "AFDEP_LONE_SPLIT": "1"},
-                             cap=4, zero_copy=True, attention_send_form="kLoneSplitSend")
+                             cap=4, zero_copy=True, attention_send_form="kLoneSplitSend",
+                             graph_tokens=[2, 1])
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
@@ -709,11 +715,17 @@ def test_token_layout_spread_chunks_sanitizer_small():
 
 def test_token_layout_lone_split_sanitizer_small():
     """test_token_layout_ll_small_sanitizer_small with AFDEP_LONE_SPLIT=1, under
-    compute-sanitizer memcheck."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "float8_e4m3fn", 10, 4, True,
+    compute-sanitizer memcheck: the graph at T = 1 (a lone token), its dispatch in
+    kLoneSplitSend."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "float8_e4m3fn", 10, 4, True, [1],
                                   env={"AFDEP_LL_SMALL": "1", "AFDEP_LONE_SPLIT": "1"},
                                   timeout=900)
     _check_small(res, "float8_e4m3fn")
+    for out in res:
+        bit = controls.CONTROLS["AFDEP_LONE_SPLIT"].bit
+        assert out["flags"] is None or out["flags"] & bit, hex(out["flags"])
+        if out["role"] == "attention":
+            assert out["forms"][0] == {"kLoneSplitSend"}, out["forms"]
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

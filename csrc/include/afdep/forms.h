@@ -26,8 +26,9 @@ namespace afdep {
 // (kLoneSplitSend, F_LONE_SPLIT: its code kept out of kSmallSend).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
-// combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend: the
-// generic kernel has no expert-layout units, so F_LL_EXPERTS needs F_SMALL_KERNELS.
+// combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend and
+// kLoneSplitSend: the generic kernel has no expert-layout units, so F_LL_EXPERTS needs
+// F_SMALL_KERNELS.
 // (name, value): one list for the enum and the names the Python module exports
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
