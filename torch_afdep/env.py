@@ -143,15 +143,6 @@ _CONTROLS = (
              "region, so one warp claims the token (route, id checks, metadata units) while "
              "every other warp already stores the count units and the row's units; the same "
              "units; 0 = the claim in shared memory, a barrier, then the copy"),
-    _control("AFDEP_EAGER_PLACE", 18, 0,
-             "experimental, off by default (one H200 under MPS, T <= 32: a median 5% faster "
-             "with rows of at most 8 KB, up to 6% slower with 14 KB rows, and some "
-             "processes 1.1-3.5x slower): the token layout's small receive (flagged units, small kernel "
-             "forms): the warps that wait for no region header place every row while the "
-             "others wait, each polling its row's units and the region's header together, "
-             "so a row is written one load latency after its units land; only the first "
-             "num_sms CTAs wait and place, the others leave at once; the same outputs; 0 = "
-             "every CTA waits for every header, then a barrier, then the rows"),
     _control("AFDEP_LL_EXPERTS", 19, 1,
              "the expert layout's dispatch where a channel holds one token (bucket <= "
              "num_sms) travels as the token layout's flagged units (count, metadata, rows, "

@@ -53,10 +53,6 @@ __device__ __forceinline__ uint64_t* ll_region(const Layout& L, char* base, int 
 __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region, int j) {
   return region + 2 + (size_t)j * L.ll_token_units;
 }
-__device__ __forceinline__ const uint64_t* ll_token(const Layout& L, const uint64_t* region,
-                                                    int j) {
-  return region + 2 + (size_t)j * L.ll_token_units;
-}
 
 // One warp: bit f set for each FFN index f that some lane's valid id lives on (f: that id's
 // FFN index), the same mask in every lane.
@@ -886,140 +882,6 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
-// ---- F_EAGER_PLACE: the small token receive places each row as its units land ------------
-// The region's token count from header units h0, h1 if they are fresh (0 when its sender
-// declared another bucket: taken as empty, as book_region takes it), or 0 when the count
-// block's flag says its sender came in the count form (another bucket too); -1: not yet.
-__device__ __forceinline__ int eager_count(const DispatchArgs& a, uint64_t h0, uint64_t h1,
-                                           const uint64_t* flag, uint64_t n, uint32_t llf) {
-  if (ll_fresh(h0, llf) && ll_fresh(h1, llf)) {
-    return differing_bucket((uint32_t)h1, a.bucket) ? 0 : min(max((int)(uint32_t)h0, 0), a.stride);
-  }
-  return ld_ll(flag) >= n ? 0 : -1;
-}
-
-// One lane: `nu` units at p (4: a 16-byte row vector; 1: an FP8 scale), spun on until all are
-// fresh (1; their words in x), or until the region's header (ureg; or the count block's flag)
-// says slot j holds no token (0; cnt keeps the count once seen). -1 at the deadline (reported).
-__device__ int eager_units(const Layout& L, const DispatchArgs& a, const uint64_t* p, int nu,
-                           const uint64_t* ureg, const uint64_t* flag, int j, uint64_t n,
-                           uint32_t llf, uint64_t deadline, int sr, int& cnt, int4& x) {
-  uint32_t spins = 0;
-  while (true) {
-    uint64_t u0, u1 = 0, u2 = 0, u3 = 0;
-    if (nu == 4) {
-      ld_ll2(p, u0, u1);
-      ld_ll2(p + 2, u2, u3);
-    } else {
-      u0 = ld_ll(p);
-    }
-    if (ll_fresh(u0, llf) &&
-        (nu == 1 || (ll_fresh(u1, llf) && ll_fresh(u2, llf) && ll_fresh(u3, llf)))) {
-      x = make_int4((int)(uint32_t)u0, (int)(uint32_t)u1, (int)(uint32_t)u2, (int)(uint32_t)u3);
-      return 1;
-    }
-    if (cnt < 0) {  // the header, loaded only while the count is unknown
-      uint64_t h0, h1;
-      ld_ll2(ureg, h0, h1);
-      cnt = eager_count(a, h0, h1, flag, n, llf);
-    }
-    if (cnt >= 0 && j >= cnt) return 0;
-    if (ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank)) return -1;
-  }
-}
-
-// One warp: row `row` (slot j of region ureg)'s metadata as its units land. Every spin loads
-// the region's header, the token's index and entry count, and each lane's entry words at
-// once, so the row is written one load latency after its last unit lands (an empty slot's
-// row once the header says so). False at the deadline (reported), in every lane.
-__device__ bool eager_meta(const Layout& L, const DispatchArgs& a, size_t row, int j,
-                           const uint64_t* ureg, const uint64_t* flag, int sr, uint64_t n,
-                           uint32_t llf, uint64_t deadline, int warp, int lane) {
-  const uint64_t* u = ll_token(L, ureg, j);
-  uint32_t spins = 0;
-  while (true) {
-    uint64_t h0, h1, t0, t1, ue = 0, uw = 0, uc = 0;
-    ld_ll2(ureg, h0, h1);  // (the same words in every lane: one request)
-    ld_ll2(u, t0, t1);     // token index, entry count
-    if (lane < L.R) {
-      ue = ld_ll(u + 2 + lane);
-      uw = ld_ll(u + 2 + L.R + lane);
-      uc = ld_ll(u + 2 + 2 * L.R + lane);
-    }
-    const int cnt = __shfl_sync(kFull, eager_count(a, h0, h1, flag, n, llf), 0);
-    if (cnt >= 0 && j >= cnt) {
-      write_empty_row(L, a, row, lane);
-      return true;
-    }
-    if (cnt >= 0 && __shfl_sync(kFull, (int)(ll_fresh(t0, llf) && ll_fresh(t1, llf)), 0)) {
-      const int tok = __shfl_sync(kFull, (int)(uint32_t)t0, 0);
-      const int nloc = min(max(__shfl_sync(kFull, (int)(uint32_t)t1, 0), 0), L.R);
-      const bool need = lane < nloc;
-      if (__all_sync(kFull, !need || (ll_fresh(ue, llf) && ll_fresh(uw, llf) &&
-                                      ll_fresh(uc, llf)))) {
-        int el = need ? (int)(uint32_t)ue : -1, col = need ? (int)(uint32_t)uc : -1;
-        const float w = need ? __int_as_float((int)(uint32_t)uw) : 0.f;
-        if (el < 0 || el >= L.El) col = -1;
-        write_row_meta(L, a, row, sr, tok, el, w, col, warp, lane);
-        return true;
-      }
-    }
-    if (__shfl_sync(kFull, (int)ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank),
-                    0))
-      return false;
-  }
-}
-
-// F_EAGER_PLACE, the small token receive (kSmallRecv): the warps that wait for no region header
-// (from wait_warps on, in each of the first S CTAs) place the rows while the others wait,
-// instead of after their barrier. Each row's metadata is one unit of work (eager_meta); each chunk of its
-// vectors (the first with the FP8 scales) another, copied as its units land (eager_units).
-// A chunk of a slot that holds no token is dropped once its header is seen. False at the
-// deadline (reported), in every lane.
-__device__ bool place_tokens_eager(const Layout& L, const DispatchArgs& a, uint64_t n,
-                                   uint64_t deadline, int wait_warps) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  char* mine = own_window(L);
-  const int nreg = L.A * L.S, stride = a.stride, rps = L.S * stride, nv = L.row_bytes / 16;
-  const int per = kWarps - wait_warps;  // placing warps of each of the first S CTAs
-  const int ew = (int)blockIdx.x * per + (warp - wait_warps);
-  const int nw = min((int)gridDim.x, L.S) * per;
-  const int rows = stride * nreg;
-  const int lg = chunk_log2(rows, nw, nv), nch = 1 << lg, cv = (nv + nch - 1) >> lg;
-  const uint32_t llf = ll_flag(n);
-  for (int u = ew; u < rows + (rows << lg); u += nw) {
-    const bool meta = u < rows;
-    const int q = meta ? u : (u - rows) >> lg, h = meta ? 0 : (u - rows) & (nch - 1);
-    const int j = fast_div(q, L.div_nreg), g = q - j * nreg;  // slot-major, as place_tokens
-    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S, sr = L.rank_of_attn[ai];
-    const size_t row = (size_t)ai * rps + (size_t)ch * stride + j;  // == its inbox slot
-    const uint64_t* ureg = ll_region(L, mine, ai, ch);
-    const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
-    if (meta) {
-      if (!eager_meta(L, a, row, j, ureg, flag, sr, n, llf, deadline, warp, lane)) return false;
-      continue;
-    }
-    const uint64_t* ur = ll_token(L, ureg, j) + L.meta_ints;
-    int4* dst = reinterpret_cast<int4*>(mine + L.off_payload + row * L.row_bytes);
-    int cnt = -1, r = 1;
-    int4 x;
-    for (int v = h * cv + lane; v < min(nv, h * cv + cv) && r > 0; v += 32) {
-      r = eager_units(L, a, ur + 4 * (size_t)v, 4, ureg, flag, j, n, llf, deadline, sr, cnt, x);
-      if (r > 0) dst[v] = x;
-    }
-    if (h == 0 && L.scale_cols) {
-      float* ds = reinterpret_cast<float*>(mine + L.off_scales) + row * L.scale_cols;
-      for (int q2 = lane; q2 < L.scale_cols && r > 0; q2 += 32) {
-        r = eager_units(L, a, ur + 4 * (size_t)nv + q2, 1, ureg, flag, j, n, llf, deadline, sr,
-                        cnt, x);
-        if (r > 0) ds[q2] = __int_as_float(x.x);
-      }
-    }
-    if (!__all_sync(kFull, r >= 0)) return false;
-  }
-  return true;
-}
-
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (lanes 0
 // and 1) and lane r's entry r (its local id, weight bits, and column or position), as loaded,
 // not yet known to be fresh (settle_token_units waits for them).
@@ -1076,11 +938,10 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
 // payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
 // slot-major (j, region): the order in which rows land when each row has its own flag.
 // booked: every region's arrays are already written (the small receive books each region as
-// its wait ends) and published by a barrier. eager (F_EAGER_PLACE): the rows are placed
-// already (place_tokens_eager); only the token counts are left.
+// its wait ends) and published by a barrier.
 template <int kForm, bool kSpread = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
-                             int* smem, bool booked, bool eager = false) {
+                             int* smem, bool booked) {
   constexpr bool kSmall = kForm != kGeneric;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x;
@@ -1106,7 +967,6 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       a.out_num_tokens[ai] = min(sum, a.bucket);
     }
   }
-  if (eager) return;
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
   int fenced = -1;  // early counts: last region whose payload flag this warp fenced after
   for (int u = gw; u < stride * nreg; u += nw) {
@@ -1530,15 +1390,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!exit_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  // F_EAGER_PLACE (the small token receive): only the first S CTAs wait and place; the others
-  // leave at once. CTA 0 books the counts and reports, and the rows are spread over the
-  // placing warps of those S CTAs, so the rest have nothing to do, and their SMs are free for
-  // the other kernels in flight (with every CTA placing, some processes took 100-300 us an
-  // exchange on one shared GPU; with S, 1.1-3.5x in some: why it is off by default,
-  // docs/history.md, sessions 26-27)
-  const int wait_warps = (L.A * L.S + 31) >> 5;
-  const bool eager = kForm == kEagerRecv && (fl & F_EAGER_PLACE) && wait_warps < kWarps;
-  if (!kSendOnly && a.do_recv && !(eager && (int)blockIdx.x >= L.S)) {
+  if (!kSendOnly && a.do_recv) {
     const int nsrc = all_peers ? L.W : L.A;
     bool ok = true;
     int fence = 1;
@@ -1552,10 +1404,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)  // expand_units' rows per (region,
                                                               // expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
-      // F_EAGER_PLACE: the warps past those that wait (one thread per region) place the rows
-      // meanwhile; the waits still book every region (token counts, bucket reports)
-      if (eager && warp >= wait_warps && !place_tokens_eager(L, a, n, deadline, wait_warps))
-        st = 1;
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
         const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
         if (form == 1) book_region(L, a, i, mine, smem);
@@ -1607,7 +1455,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)
         expand_units<kForm == kUnitExpEarly>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
-        place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked, eager);
+        place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
     }
   }
@@ -1665,8 +1513,7 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   if (L.ll) {
     if (!ll_exchange(L, a)) return kGeneric;
     if (send) return small_send;
-    // F_EAGER_PLACE: its own form, so that kSmallRecv keeps its compact code without it
-    return recv ? ((L.flags & F_EAGER_PLACE) ? kEagerRecv : kSmallRecv) : kGeneric;
+    return recv ? kSmallRecv : kGeneric;
   }
   if (L.tokens) return kGeneric;
   // expert layout: the most tokens a channel of this exchange holds (a sender's own T; a
@@ -1690,7 +1537,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kEagerRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpEarly>, attr, (int)smem);
@@ -1716,8 +1562,6 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kCountSend>, L, a, grid, smem, stream);
     case kCountRecv:
       return launch_transport_kernel(dispatch_kernel<kCountRecv>, L, a, grid, smem, stream);
-    case kEagerRecv:
-      return launch_transport_kernel(dispatch_kernel<kEagerRecv>, L, a, grid, smem, stream);
     case kUnitExpRecv:
       return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
     case kCountRecvLL:

@@ -598,20 +598,6 @@ def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):
                              cap=4, zero_copy=True)
 
 
-EAGER = {"AFDEP_LL_SMALL": "1", "AFDEP_EAGER_PLACE": "1"}
-
-
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_eager_place_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_EAGER_PLACE=1 (experimental, off by
-    default): the first num_sms CTAs of the small token receive place every row as its units
-    land, on the warps that wait for no region header, and the other CTAs leave at once (with
-    the control at 0, as in test_token_layout_ll_small_graphs, every CTA waits for every
-    header, meets a barrier, then places its share of the rows)."""
-    test_token_layout_graphs(layout, dtype_name, env=EAGER, cap=4, zero_copy=True)
-
-
 @pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
                                                    ("2A2F", "float8_e4m3fn", 4),
                                                    ("3A1F", "bfloat16", 4),
@@ -664,15 +650,6 @@ def test_token_layout_lone_split_graphs(layout, dtype_name):
                              graph_tokens=[2, 1])
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_eager_place_sized_graphs(layout, dtype_name):
-    """test_token_layout_eager_place_graphs with AFDEP_SIZED_GRID=1: bucket 4 is below 32
-    tokens, so the FFN's receive runs num_sms CTAs, every one of which places rows."""
-    test_token_layout_graphs(layout, dtype_name, env={**EAGER, "AFDEP_SIZED_GRID": "1"},
-                             cap=4, zero_copy=True)
-
-
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
@@ -690,17 +667,6 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     checked graph replays with hostile ids (collected zero-copy)."""
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
                                   env={"AFDEP_LL_SMALL": "1"}, timeout=900)
-    _check_small(res, dtype_name)
-
-
-@pytest.mark.parametrize("sized", ["0", "1"])
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-def test_token_layout_eager_place_sanitizer_small(dtype_name, sized):
-    """test_token_layout_ll_small_sanitizer_small with AFDEP_EAGER_PLACE=1, on the wide grid
-    (its CTAs past num_sms leave at once) and on the sized grid (num_sms CTAs, all of them
-    placing), under compute-sanitizer memcheck."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
-                                  env={**EAGER, "AFDEP_SIZED_GRID": sized}, timeout=900)
     _check_small(res, dtype_name)
 
 

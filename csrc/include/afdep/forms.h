@@ -12,10 +12,9 @@ namespace afdep {
 // (kSmallSend, kSmallRecv); or the expert layout's count-block path of one role with few
 // tokens per channel: no fused, streamed or early-count copy (kCountSend, kCountRecv); or the
 // expert layout's one-pass reply with its rows as flagged units (kUnitReply; the collect of
-// either layout takes them in kSmallRecv); the token layout's flagged-unit receive with the
-// eager placement (kEagerRecv, F_EAGER_PLACE: its code kept out of kSmallRecv); the expert
-// layout's receive of flagged units (kUnitExpRecv, F_LL_EXPERTS; its sender is kSmallSend),
-// and with that control its count-block receive (kCountRecvLL: kCountRecv, each wait also
+// either layout takes them in kSmallRecv); the expert layout's receive of flagged units
+// (kUnitExpRecv, F_LL_EXPERTS; its sender is kSmallSend), and with that control its
+// count-block receive (kCountRecvLL: kCountRecv, each wait also
 // watching for the units of a sender whose bucket differs); the flagged-unit collect whose
 // row warps poll their units without a barrier behind the start units (kEarlyCollect,
 // F_EARLY_COLLECT: its code kept out of kSmallRecv); kUnitExpRecv issuing its first unit's
@@ -32,8 +31,8 @@ namespace afdep {
 // (name, value): one list for the enum and the names the Python module exports
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
-  X(kUnitReply, 5) X(kEagerRecv, 6) X(kUnitExpRecv, 7) X(kCountRecvLL, 8)                 \
-  X(kEarlyCollect, 9) X(kUnitExpEarly, 10) X(kSpecReply, 11) X(kLoneSplitSend, 12)
+  X(kUnitReply, 5) X(kUnitExpRecv, 6) X(kCountRecvLL, 7) X(kEarlyCollect, 8)               \
+  X(kUnitExpEarly, 9) X(kSpecReply, 10) X(kLoneSplitSend, 11)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -41,16 +40,16 @@ enum KernelForm : int {
 #undef AFDEP_FORM_ENUM
 };
 __host__ __device__ constexpr bool form_units(int f) {
-  return f == kSmallSend || f == kSmallRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kUnitExpEarly || f == kLoneSplitSend;
+  return f == kSmallSend || f == kSmallRecv || f == kUnitExpRecv || f == kUnitExpEarly ||
+         f == kLoneSplitSend;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
   return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kSpecReply ||
          f == kLoneSplitSend;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
-  return f == kSmallRecv || f == kCountRecv || f == kEagerRecv || f == kUnitExpRecv ||
-         f == kCountRecvLL || f == kEarlyCollect || f == kUnitExpEarly;
+  return f == kSmallRecv || f == kCountRecv || f == kUnitExpRecv || f == kCountRecvLL ||
+         f == kEarlyCollect || f == kUnitExpEarly;
 }
 
 // kSpecReply (F_SPEC_REPLY): a warp stages its chunk of every row, at most kSpecVecs 16-byte

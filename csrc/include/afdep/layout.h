@@ -42,9 +42,6 @@ namespace afdep {
   X(LONE_TOKEN, 17)         /* flagged units, a sender CTA of one token: its slot is 0 in     \
                                every region, so the other warps store its units while warp 0  \
                                claims it (no slot counters, no barrier between) */            \
-  X(EAGER_PLACE, 18)        /* the small token receive: warps that wait for no region header  \
-                               place each row as its units land (no barrier, no second load   \
-                               latency after the header) */                                   \
   X(LL_EXPERTS, 19)         /* small buckets: the expert layout's dispatch as flagged units   \
                                too; the FFN counts rows per (region, expert) from the         \
                                metadata units */                                              \
