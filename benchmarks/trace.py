@@ -80,8 +80,8 @@ STAGES = [
      lambda da, ca, df, cf: _gap(da, MASKED, da, LOADED), False),
     ("      A CTA0: route mask known -> tokens claimed",
      lambda da, ca, df, cf: _gap(da, CLAIMED, da, MASKED), False),
-    # (AFDEP_LONE_SPLIT: thread 0 holds none of a lone token's row, so there this stage is
-    # about 0 and the other warps' copy ends unstamped, before the kernel's end)
+    # (AFDEP_LONE_SPLIT: a lone token's "payload written" is the latest warp's, warp 0's being
+    # its claim: 0 when the claim was last)
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),

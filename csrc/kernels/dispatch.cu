@@ -1237,6 +1237,12 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
       st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
              kAheadNone | (a.bucket << kAheadBits), llf);
   copy_preloaded<true, kSplit>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  if (kSplit && pre.split) {  // thread 0 copied nothing: the latest warp's stores (or claim)
+    trace_mark_latest(L, kTrCopied);
+    trace_mark_latest(L, kTrSent);
+    trace_mark_latest(L, kTrMaxSent);
+    return;
+  }
   trace_mark(L, kTrCopied, -1);
   trace_mark(L, kTrSent, kTrMaxSent);
 }

@@ -780,13 +780,15 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
+@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_LONE_SPLIT=1"]], ids=["defaults", "lone_split"])
 @pytest.mark.parametrize("layout", ["experts", "tokens"])
-def test_trace_stages_are_ordered(layout, tmp_path):
+def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1 and a T = 128 exchange is recorded and the CTA-0 sub-stages (claim, payload,
     signal; the claim's first loads; count table; reply rows and, in the token layout at
     T = 1, the reply's first row loaded) are non-negative and add up within the stage they
-    split."""
+    split. lone_split: AFDEP_LONE_SPLIT=1, whose T = 1 dispatch (kLoneSplitSend) stamps the
+    payload and the send as the latest of its warps (trace_mark_latest): still ordered."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -797,10 +799,13 @@ def test_trace_stages_are_ordered(layout, tmp_path):
 
     out = tmp_path / "trace.json"
     assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",
-                       "--receive-layout", layout, "--out", str(out)]) == 0
+                       "--receive-layout", layout, "--out", str(out)]
+                      + (["--afdep-env", *afdep_env] if afdep_env else [])) == 0
     data = json.loads(out.read_text())
     rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128]
+    if afdep_env:  # the T = 1 dispatch took the split form (T = 128: the count form or generic)
+        assert rows[0]["kernel_forms"][0] == "kLoneSplitSend", rows[0]["kernel_forms"]
     assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:
         s = r["stages_us"]
