@@ -82,12 +82,6 @@ _CONTROLS = (
              "before copying the payload (the FFN computes its offsets while the payload is "
              "in flight) and then a per-channel payload flag; needs the four directional "
              "controls; 0 = counts after the payload"),
-    _control("AFDEP_SIZED_GRID", 8, 0,
-             "experimental, off by default (2 x H200: passes its tests, measured no gain): "
-             "the wide local kernels run their wide grid only from 32 tokens (FFN: A x "
-             "bucket, Attention: T) and num_sms CTAs below, and the FFN's last reply CTA "
-             "stores the exchange number once per Attention rank instead of every CTA adding "
-             "1; needs AFDEP_WIDE_LOCAL and the four directional controls; 0 = fixed grids"),
     _control("AFDEP_STREAM_EXPANSION", 9, 1,
              "sender CTAs with >= 48 tokens (and >= 32 KB) publish their counts first, then "
              "send each row with its own flag, and the FFN expands every row as soon as it "

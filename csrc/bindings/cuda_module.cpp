@@ -25,7 +25,6 @@ PYBIND11_MODULE(_cuda, m) {
 #undef AFDEP_CONTROL_EXPORT
   m.attr("CONTROL_BITS") = control_bits;
   m.attr("ALL_ROLE_AWARE") = static_cast<int>(afdep::kAllRoleAware);
-  m.attr("WIDE_MIN_TOKENS") = afdep::kWideMinTokens;
   m.attr("ROUTE_BUCKET_MISMATCH") = static_cast<int>(afdep::kRouteBucket);
 
   // Every kernel form's value by name (forms.h's one list, AFDEP_KERNEL_FORMS): what

@@ -84,7 +84,6 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   L.G = wide ? cfg.ffn_ctas : L.S;
   L.Ga = wide ? cfg.attn_ctas : L.S;
   L.early = (L.flags & kEarlyNeeds) == kEarlyNeeds ? 1 : 0;
-  L.sized = (L.flags & kSizedNeeds) == kSizedNeeds ? 1 : 0;
   L.stream = (L.flags & kStreamNeeds) == kStreamNeeds ? 1 : 0;
   L.tokens = cfg.token_layout ? 1 : 0;
   // the token layout's view needs rows of exactly H elements, one after the other
@@ -98,12 +97,11 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   if (dispatch_smem_bytes(L) > 200 * 1024)
     throw std::invalid_argument("num_experts too large for the CUDA dispatch kernel's shared memory");
 
-  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | arrive [4] u32 |
-  // ffn [F] | attn [A] | mismatch [A]
+  // device workspace: peer table [W] u64 | counters [2][Gmax] u64 | ffn [F] | attn [A] |
+  // mismatch [A]
   const size_t o_peer = 0;
   const size_t o_ctr = o_peer + (size_t)L.W * 8;
-  const size_t o_arr = o_ctr + (size_t)2 * L.Gmax * 8;
-  const size_t o_ffn = o_arr + 4 * 4;
+  const size_t o_ffn = o_ctr + (size_t)2 * L.Gmax * 8;
   const size_t o_attn = o_ffn + (size_t)L.F * 4;
   const size_t o_mism = o_attn + (size_t)L.A * 4;
   const size_t ws_bytes = o_mism + (size_t)L.A * 4;
@@ -114,7 +112,6 @@ Comm::Comm(const CommConfig& cfg) : device_(cfg.device) {
   check(cudaMemcpy(ws + o_attn, attn.data(), attn.size() * 4, cudaMemcpyHostToDevice), "copy attn");
   L.peer_bases = reinterpret_cast<const uint64_t*>(ws + o_peer);
   L.counters = reinterpret_cast<uint64_t*>(ws + o_ctr);
-  L.arrive = reinterpret_cast<unsigned*>(ws + o_arr);
   L.rank_of_ffn = reinterpret_cast<const int*>(ws + o_ffn);
   L.rank_of_attn = reinterpret_cast<const int*>(ws + o_attn);
   L.mismatch = reinterpret_cast<int*>(ws + o_mism);
@@ -247,7 +244,7 @@ void Comm::receive(int bucket, uint64_t x, uint64_t x_scales, uint64_t weights, 
   a.out_token_rows = reinterpret_cast<int*>(token_rows);
   a.out_token_index = reinterpret_cast<int*>(token_index);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
-  check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
+  check(launch_dispatch(L_, a, L_.G,
                         reinterpret_cast<cudaStream_t>(stream), &last_form_[0]),
         "launch receive");
   reply_due_ = true;
@@ -271,7 +268,7 @@ void Comm::reply(int bucket, uint64_t rows, uint64_t token_rows, uint64_t token_
   a.div_bucket = make_fast_div((uint32_t)bucket);
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
-  check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
+  check(launch_combine(L_, a, L_.G,
                        reinterpret_cast<cudaStream_t>(stream), &last_form_[1]),
         "launch reply");
   reply_due_ = false;
@@ -298,7 +295,7 @@ void Comm::receive_tokens(int bucket, uint64_t expert_ids, uint64_t weights, uin
   a.out_src_rank = reinterpret_cast<int*>(src_rank);
   a.out_src_token = reinterpret_cast<int*>(src_token);
   a.out_num_tokens = reinterpret_cast<int*>(num_tokens);
-  check(launch_dispatch(L_, a, local_grid(L_.A * bucket, L_.G),
+  check(launch_dispatch(L_, a, L_.G,
                         reinterpret_cast<cudaStream_t>(stream), &last_form_[0]),
         "launch receive_tokens");
   reply_due_ = true;
@@ -323,7 +320,7 @@ void Comm::reply_tokens(int bucket, uint64_t rows, uint64_t src_token, uint64_t 
   a.bucket = bucket;
   a.do_recv = (L_.flags & F_ROLE_WARPS) ? 0 : 1;
   a.real_recv = 0;
-  check(launch_combine(L_, a, local_grid(L_.A * bucket, L_.G),
+  check(launch_combine(L_, a, L_.G,
                        reinterpret_cast<cudaStream_t>(stream), &last_form_[1]),
         "launch reply_tokens");
   reply_due_ = false;
@@ -361,17 +358,9 @@ void Comm::launch_collect(uint64_t route, uint64_t out, int T, bool in_place, ui
   a.out = reinterpret_cast<void*>(out);
   a.T = T;
   a.in_place = in_place ? 1 : 0;
-  check(launch_combine(L_, a, local_grid(T, L_.Ga), reinterpret_cast<cudaStream_t>(stream),
+  check(launch_combine(L_, a, L_.Ga, reinterpret_cast<cudaStream_t>(stream),
                        &last_form_[1]),
         "launch combine");
-}
-
-int Comm::local_grid(int tokens, int wide) const {
-  if (!L_.sized) return wide;  // fixed grids: the receivers count CTAs
-  // Few tokens: S CTAs. One CTA per 4 tokens (T = 1: one CTA) measured slower on one H200
-  // (T = 1: the token layout's reply 7.9 vs 3.5 us, each warp walking every empty row of the
-  // [N, H] view; the expert layout's expansion 4.8 vs 2.6 us for its 8 rows).
-  return tokens >= kWideMinTokens ? wide : (wide < L_.S ? wide : L_.S);
 }
 
 void Comm::ping(int peer, int iters, bool initiator, uint64_t stream) {

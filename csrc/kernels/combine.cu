@@ -477,7 +477,7 @@ template <bool kSpread>
 __device__ bool collect_early(const Layout& L, const CombineArgs& a, uint64_t n,
                               uint64_t deadline, int* s_llc) {
   const int c = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
+  const uint64_t target = n * (uint64_t)L.G;
   const uint32_t llf = ll_flag(n);
   const int nv = L.H / 8;
   bool ok = true;
@@ -713,31 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     }
     sys_fence_then_sync(L);
     trace_mark(L, kTrWritten, -1);  // the signalling fences come next
-    if (!kSmall && rwo && L.sized) {
-      // The grid may differ per launch, so receivers cannot count CTAs: each CTA fences
-      // (covering its rows, after the bar.sync) and arrives on a device-local count; the
-      // last one fences again (acquiring the others' releases) and stores the exchange
-      // number once per receiver.
-      // F_ONE_FENCE with few receivers: the last CTA's thread 0 stores every flag itself,
-      // relaxed, behind its own fence (no release store, no second fence per flag).
-      __shared__ int s_last;
-      const bool own_flags = (fl & F_ONE_FENCE) && L.A <= 32;
-      if (tid == 0) {
-        fence_acq_rel_sys();
-        s_last = atomicAdd(L.arrive + 2, 1u) == gridDim.x - 1;
-        if (s_last) {
-          L.arrive[2] = 0;
-          fence_acq_rel_sys();
-          for (int ti = 0; own_flags && ti < L.A; ++ti)
-            st_relaxed_sys(reinterpret_cast<uint64_t*>(attn_window(L, ti) +
-                                                       L.off_comb_done) + L.rank, n);
-        }
-      }
-      __syncthreads();
-      for (int ti = tid; !own_flags && s_last && ti < L.A; ti += blockDim.x)
-        st_release_sys(reinterpret_cast<uint64_t*>(attn_window(L, ti) +
-                                                   L.off_comb_done) + L.rank, n);
-    } else if (rwo) {
+    if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
@@ -775,7 +751,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     __shared__ int s_llc[3 * kMaxFfn];
     int fence = 1;
     if (ll) {
-      const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
+      const uint64_t target = n * (uint64_t)L.G;
       const uint32_t llf = ll_flag(n);
       bool ok = true;
       int counted = 0;
@@ -788,9 +764,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       fence = __syncthreads_or(counted);
     } else if (rwo) {
       // every source's reply kernel ran G CTAs (S when the grid is not wide): n exchanges done
-      // when its count reaches n * G; with sized grids its last CTA stores n
+      // when its count reaches n * G
       const int nsrc = all_peers ? L.W : L.F;
-      const uint64_t target = L.sized ? n : n * (uint64_t)L.G;
+      const uint64_t target = n * (uint64_t)L.G;
       bool ok = true;
       if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))
         printf("afdep-dbg t %llu rank %d combine cta %d n %llu target %llu comb_done[ffn0] %llu\n",
@@ -868,8 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
 // controls: the token layout's flagged-unit reply (its early path, one pass of the grid: 4
 // warps per row); the expert layout's one-pass reply (4 warps per receipt slot), its rows as
 // flagged units when the bucket is small; the collect of either layout from flagged units
-// (T <= kLLTokens * S) or in the count form; else the generic kernel (also for debug output
-// and the sized grid's signal).
+// (T <= kLLTokens * S) or in the count form; else the generic kernel (also for debug output).
 int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
@@ -882,15 +857,14 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
                ? kEarlyCollect
                : kSmallRecv;
   if (L.ll) {  // token layout
-    if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps &&
-        !L.sized)
+    if (send && a.tokens && a.rps <= L.llc_tokens && 4 * L.A * a.rps <= grid * kWarps)
       return kSmallSend;
     return kGeneric;
   }
   if (L.tokens) return kGeneric;
   // expert layout: the reply's one-pass path (4 warps per receipt slot; its rows as units
   // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
-  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps && !L.sized)
+  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps)
     return !(L.llc && a.bucket <= L.llc_tokens) ? kCountSend
            : (L.flags & F_SPEC_REPLY) && spec_reply_fits(L.A * a.bucket, L.R, L.H, grid)
                ? kSpecReply

@@ -414,23 +414,16 @@ __device__ __forceinline__ bool ll_settle(const uint64_t* p, uint64_t v, uint32_
 }
 
 // ---- exchange numbers ----------------------------------------------------------------------
-// Exchange number of this launch. Fixed grids: every CTA counts its own launches. Sized grids
-// (the grid may change between launches): one count per phase, advanced by the last CTA.
+// Exchange number of this launch: every CTA counts its own launches (a phase's grid is the
+// same at every launch).
 __device__ __forceinline__ uint64_t launch_number(const Layout& L, int phase) {
-  return L.counters[phase * L.Gmax + (L.sized ? 0 : blockIdx.x)] + 1;
+  return L.counters[phase * L.Gmax + blockIdx.x] + 1;
 }
 
-// Record this launch's exchange number; thread 0, after the CTA's last use of it. With a
-// sized grid every CTA read the count at its start, before arriving here, so the last CTA to
-// arrive may advance it (the next launch on the stream starts after this one has finished).
+// Record this launch's exchange number; thread 0, after the CTA's last use of it.
 __device__ __forceinline__ void end_launch(const Layout& L, int phase, uint64_t n) {
   if (threadIdx.x != 0) return;
-  if (!L.sized) {
-    L.counters[phase * L.Gmax + blockIdx.x] = n;
-  } else if (atomicAdd(L.arrive + phase, 1u) == gridDim.x - 1) {
-    L.arrive[phase] = 0;
-    L.counters[phase * L.Gmax] = n;
-  }
+  L.counters[phase * L.Gmax + blockIdx.x] = n;
 }
 
 // ---- optional stage trace (L.trace null: one predictable branch) -----------------------

@@ -56,7 +56,6 @@ CASES = {
     # streamed expansion: one channel with >= 48 tokens and >= 32 KB (a flag per row)
     "stream_expansion": ({}, dict(capacity_tokens_per_rank=128, hidden_size=1024, num_sms=1),
                          [(64, 128, 128), (64, 64, 128), (64, 128, 128)]),
-    "sized_grid": ({"AFDEP_SIZED_GRID": "1"}, {}, EXCHANGES),
     "no_pdl": ({"AFDEP_PDL": "0"}, {}, EXCHANGES),
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
     # the token layout in the count form (AFDEP_LL_SMALL=0), and its flagged units (the

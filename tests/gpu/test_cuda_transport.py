@@ -27,7 +27,6 @@ from tests.helpers.devices import need_gpus, rank_devices, spawn_gpu_world  # no
 
 BASE_ENV = devices.GPU_ENV
 SYM = {"AFDEP_SYMMETRIC": "1"}
-SIZED = {"AFDEP_SIZED_GRID": "1"}  # experimental: local grids chosen per launch
 STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansion as rows land
 # the small-batch changes (default 1) reverted: ordinary launches, a release flag after the
 # fence, each load after the one it follows; PREVIOUS reverts these three and the token
@@ -103,12 +102,10 @@ def test_eager_role_aware(layout, cap, hidden, dtype):
     on the small kernel forms where T is small: every Attention rank's collects at T <= 48
     take the flagged units with their barrier (kSmallRecv: the early collect is the token
     layout's), every FFN rank's receive at bucket 8 takes the dispatch's units (kUnitExpRecv,
-    AFDEP_LL_EXPERTS: one token a channel) and its reply sends units (kUnitReply; the sized
-    grid, when exported, keeps the reply generic)."""
+    AFDEP_LL_EXPERTS: one token a channel) and its reply sends units (kUnitReply)."""
     kw = cfg_kw(layout, cap, hidden, dtype)
     stats = run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap))
     assert all(s["registered_bytes"] <= s["union_bytes"] for s in stats)
-    sized = controls.CONTROLS["AFDEP_SIZED_GRID"].bit
     llx = controls.CONTROLS["AFDEP_LL_EXPERTS"].bit
     for r, s in enumerate(stats):
         if s["role"] == "attention":
@@ -117,8 +114,7 @@ def test_eager_role_aware(layout, cap, hidden, dtype):
             continue
         if s["flags"] & llx:
             assert "kUnitExpRecv" in s["forms"][0], (r, s["forms"])
-        if not s["flags"] & sized:
-            assert "kUnitReply" in s["forms"][1], (r, s["forms"])
+        assert "kUnitReply" in s["forms"][1], (r, s["forms"])
 
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
@@ -134,13 +130,13 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 @pytest.mark.parametrize("delay,env", [
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
-    ("AFDEP_TEST_REPLY_DELAY_MS", SIZED), ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
-         "reply-sized_grid", "dispatch-stream_expansion", "reply-no_pdl", "dispatch-no_pdl",
+         "dispatch-stream_expansion", "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
          "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
@@ -168,7 +164,7 @@ SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS"
           "AFDEP_EARLY_COUNTS", "AFDEP_PDL", "AFDEP_ONE_FENCE", "AFDEP_EARLY_LOADS",
           "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
-# test_stream_expansion_eager reverts it at T = 2048
+# test_stream_expansion_reverted_eager reverts it at T = 2048
 
 
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F", "3A1F"])
@@ -181,36 +177,17 @@ def test_each_control_reverted_alone(control, layout):
 
 
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
-                         + [("2A2F", 128, 4096, "bfloat16")])
-def test_sized_grid_eager(layout, cap, hidden, dtype):
-    """AFDEP_SIZED_GRID=1: the plan's exchanges switch the FFN's kernels between S CTAs (bucket
-    8) and the wide grid, and the Attention's combine by its T (0, 1, 7 narrow; 128, bucket
-    wide), so the per-phase exchange number and the reply's one-signal completion are
-    exercised across grid changes."""
-    kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=SIZED, seed=5)
-
-
-@pytest.mark.parametrize("bucket,tokens", [(8, 7), (128, 1), (128, 128)],
-                         ids=["narrow-both", "wide-ffn-narrow-attention", "wide-both"])
-def test_sized_grid_graph_replays(bucket, tokens):
-    kw = cfg_kw("1A1F", 128, 2048, "bfloat16")
-    res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, 6000, env={**BASE_ENV, **SIZED}, timeout=600)
-    assert all(r == 100 for r in res)
-
-
-@pytest.mark.parametrize("env", [{**STREAM, **SIZED}, {"AFDEP_STREAM_EXPANSION": "0"}],
-                         ids=["stream+sized", "reverted"])
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 2048, 2048, "float8_e4m3fn")])
-def test_stream_expansion_eager(layout, cap, hidden, dtype, env):
-    """AFDEP_STREAM_EXPANSION (default 1; test_eager_role_aware runs it alone, this with the
-    sized grid and reverted): sender CTAs with >= 48 tokens (and >= 32 KB) claim every
-    token first and flag each row; the FFN expands rows slot-major as they land. The plan's
-    T = bucket = 2048 cells take that path (86 tokens per channel), T = 128 the one-flag early
-    path (6 per channel), T <= 7 the plain one; in 2A2F one exchange mixes them."""
+def test_stream_expansion_reverted_eager(layout, cap, hidden, dtype):
+    """AFDEP_STREAM_EXPANSION=0 (on by default, where test_eager_role_aware runs these cases:
+    sender CTAs with >= 48 tokens and >= 32 KB claim every token first and flag each row, the
+    FFN expanding rows slot-major as they land): one payload flag per channel, and large-T
+    channels send their counts last. The plan's T = bucket = 2048 cells are the ones the
+    control changes (86 tokens per channel), T = 128 takes the one-flag early path (6 per
+    channel), T <= 7 the plain one; in 2A2F one exchange mixes them."""
     kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=7)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env={"AFDEP_STREAM_EXPANSION": "0"},
+        seed=7)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -278,24 +255,13 @@ def test_pdl_reverted_graph_replays(dtype, bucket, tokens):
     graph_replays_1a1f(dtype, bucket, tokens, NO_PDL, 8000)
 
 
-@pytest.mark.parametrize("env", [NO_ONE_FENCE, {**SIZED, **NO_ONE_FENCE}],
-                         ids=["reverted", "reverted+sized"])
 @pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
                          + [("2A2F", 128, 4096, "bfloat16")])
-def test_one_fence_reverted_eager(layout, cap, hidden, dtype, env):
-    """AFDEP_ONE_FENCE=0 (a release flag after the fence: two system fences per signal), alone
-    and with the sized grid (whose last reply CTA stores every done flag): back-to-back
-    exchanges of the plan (T 0 ... bucket) stay exact."""
+def test_one_fence_reverted_eager(layout, cap, hidden, dtype):
+    """AFDEP_ONE_FENCE=0 (a release flag after the fence: two system fences per signal):
+    back-to-back exchanges of the plan (T 0 ... bucket) stay exact."""
     kw = cfg_kw(layout, cap, hidden, dtype)
-    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=env, seed=11)
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", GRAPH_CELLS, ids=GRAPH_IDS)
-def test_sized_defaults_graph_replays(dtype, bucket, tokens):
-    """The sized grid (S CTAs below 32 tokens) with the defaults (PDL, one fence per signal,
-    early loads: the early reply path with S CTAs) inside captured graphs: 100 checked
-    replays, fresh inputs each."""
-    graph_replays_1a1f(dtype, bucket, tokens, SIZED, 9000)
+    run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=NO_ONE_FENCE, seed=11)
 
 
 @pytest.mark.parametrize("env", [NO_EARLY, PREVIOUS], ids=["reverted", "previous_defaults"])

@@ -104,8 +104,6 @@ class Comm {
 
  private:
   void launch_collect(uint64_t route, uint64_t out, int T, bool in_place, uint64_t stream);
-  // CTAs of a local kernel over `tokens` tokens whose wide grid is `wide` (AFDEP_SIZED_GRID)
-  int local_grid(int tokens, int wide) const;
 
   Layout L_{};
   uint64_t ping_base_ = 0;  // ping values used so far (they only grow)

@@ -19,8 +19,6 @@ namespace afdep {
   X(SINGLE_FFN, 5)          /* F == 1: copy instead of the fp32 sum in combine */             \
   X(WIDE_LOCAL, 6)          /* FFN receive/reply and Attention combine: one CTA per SM */     \
   X(EARLY_COUNTS, 7)        /* counts before the payload, then a per-channel payload flag */  \
-  X(SIZED_GRID, 8)          /* wide local grids only from kWideMinTokens tokens; the FFN's    \
-                               last reply CTA signals each receiver once (experimental) */    \
   X(STREAM_EXPANSION, 9)    /* sender CTAs with >= kStreamMinTokens tokens: counts ahead,     \
                                then one flag per row; the FFN expands each row as it lands */ \
   X(PDL, 10)                /* programmatic dependent launch of the transport kernels */      \
@@ -83,10 +81,6 @@ constexpr uint32_t kDirectional = F_NO_ENTRY_BARRIER | F_ONE_WAY_COUNTS | F_RECE
 // Wide grids need the directional protocol (the barriers and dummy stages of the reverted
 // controls are per channel, i.e. S CTAs on every rank).
 constexpr uint32_t kWideNeeds = F_WIDE_LOCAL | kDirectional;
-constexpr uint32_t kSizedNeeds = F_SIZED_GRID | kWideNeeds;
-// Sized grids: a local kernel runs its wide grid from this many tokens (FFN: A x bucket,
-// Attention: T) and S CTAs below (2 x H200: S was faster at T <= 8, wide from T = 128).
-constexpr int kWideMinTokens = 32;
 // Streamed expansion: a sender CTA flags each row only from this many tokens; below, the
 // fused or one-flag paths stay (2 x H200, H4096 BF16: 22 tokens per CTA were 4% slower with
 // row flags, 86 tokens 9% faster).
@@ -239,7 +233,6 @@ struct Layout {
   int Ga;         // CTAs of the Attention's combine kernel (S unless F_WIDE_LOCAL)
   int Gmax;       // max(S, G, Ga): stride of the per-CTA counters
   int early;      // 1: counts published before the payload (kEarlyNeeds all set)
-  int sized;      // 1: local grids chosen per launch (kSizedNeeds all set); see launch_number
   int stream;     // 1: streamed expansion (kStreamNeeds all set): per-row payload flags
   int ll;         // 1: the dispatch's flagged units for small buckets (kLLNeeds, token layout)
   int llc;        // 1: the reply's flagged units for small buckets (kLLNeeds, either layout)
@@ -284,10 +277,7 @@ struct Layout {
   const uint64_t* peer_bases;  // [W] window base of every group rank (own = local)
   const int* rank_of_ffn;      // [F]
   const int* rank_of_attn;     // [A]
-  uint64_t* counters;          // [2][Gmax] per-CTA exchange counters (device-local); sized
-                               // grids use [phase][0] only
-  unsigned* arrive;            // [4] CTAs arrived per launch (sized grids): [phase] at the end,
-                               // [2] the reply's completion signal
+  uint64_t* counters;          // [2][Gmax] per-CTA exchange counters (device-local)
   int* mismatch;               // [A] FFN: receive's CTA 0 writes the bucket of each source
                                // whose bucket differed (else 0); the reply reads it
   ErrorBlock* err;             // device view of the host-mapped error block
