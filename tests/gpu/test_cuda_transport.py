@@ -130,13 +130,12 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
 @pytest.mark.parametrize("delay,env", [
     ("AFDEP_TEST_REPLY_DELAY_MS", {}), ("AFDEP_TEST_REPLY_DELAY_MS", SYM),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", {}), ("AFDEP_TEST_DISPATCH_DELAY_MS", SYM),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", STREAM),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
     ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
-         "dispatch-stream_expansion", "reply-no_pdl", "dispatch-no_pdl",
+         "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
          "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
@@ -224,11 +223,9 @@ def test_small_kernels_reverted_eager(layout, cap, hidden, dtype):
         [s["forms"] for s in stats]
 
 
-# the eager cases and graph cells that the small-batch controls' tests share
+# the eager cases that the small-batch controls' tests share
 EAGER_SMALL = [c for c in CASES if c[0] == "1A1F"] + [("2A2F", 128, 4096, "bfloat16"),
                                                      ("3A1F", 128, 2048, "float8_e4m3fn")]
-GRAPH_CELLS = [("bfloat16", 8, 1), ("bfloat16", 128, 128), ("float8_e4m3fn", 2048, 1180)]
-GRAPH_IDS = ["bf16-T1", "bf16-T128", "fp8-T1180"]
 
 
 def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None, hidden=2048):
