@@ -123,7 +123,7 @@ _CONTROLS = (
              "(AFDEP_LL_SMALL: the token layout's dispatch and reply, either layout's "
              "collect), or in the expert layout a channel of fewer than 16 tokens and 32 KB "
              "(no fused, streamed or early-count copy), the one-pass reply (its rows as "
-             "units or not) and the count-form collect (13-43 KB of code instead of 87-125 "
+             "units or not) and the count-form collect (12-43 KB of code instead of 83-125 "
              "KB); the same protocol; 0 = the generic kernels"),
     _control("AFDEP_PARAM_BASES", 16, 1,
              "the window addresses of this rank and of the first 8 ranks of each role travel "
