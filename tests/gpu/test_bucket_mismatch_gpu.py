@@ -60,23 +60,13 @@ CASES = {
     "no_wide_local": ({"AFDEP_WIDE_LOCAL": "0"}, {}, EXCHANGES),
     # the token layout in the count form (AFDEP_LL_SMALL=0), and its flagged units (the
     # default: at most 2 tokens per channel, buckets 4 and 8 over 4 channels) on both sides,
-    # or on one side only: the FFN (bucket 16,
-    # 4 per channel) expects the count block while the Attention (bucket 4) sends units, and
-    # replies in the count form to a collect that watches for units (T = 3 <= 2 x 4); and the
-    # reverse (the FFN's start units tell the mismatch)
+    # or on one side only (early_collect_ffn_counts and _units below, the same defaults)
     "tokens": ({"AFDEP_LL_SMALL": "0"}, dict(receive_layout="tokens"), EXCHANGES),
     "ll_small": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"), EXCHANGES),
-    "ll_small_ffn_counts": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
-                            [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "ll_small_ffn_units": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"),
-                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     # the expert layout's reply: units by default (bucket 8 <= 2 x 4, the role_aware case), the
-    # count form with AFDEP_LL_SMALL=0, and on one side only as above (the FFN's bucket 16
-    # replies in the count form to a collect watching for units; bucket 4 replies in units
-    # whose start units tell the mismatch)
+    # count form with AFDEP_LL_SMALL=0, and on one side only (early_collect_experts_ffn_counts
+    # and _units below, the same defaults)
     "experts_counts": ({"AFDEP_LL_SMALL": "0"}, {}, EXCHANGES),
-    "experts_ffn_counts": ({}, {}, [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "experts_ffn_units": ({}, {}, [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     # AFDEP_LL_EXPERTS (on by default; set here all the same): the expert layout's dispatch as
     # units on both sides (8 channels: one token each at buckets 4 and 8), and on one side
     # only: the FFN's count form (bucket 16) watching for the Attention's units, and the FFN's
@@ -104,10 +94,13 @@ CASES = {
     # and 2 (4 rows), the Attention's bucket the other
     "spec_reply": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(1, 1, 1), (1, 2, 1), (1, 1, 1)]),
     "spec_reply_ffn_bucket_2": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(2, 2, 2), (1, 1, 2), (2, 2, 2)]),
-    # AFDEP_EARLY_COLLECT (on by default; set here all the same): the token layout's collect
-    # lanes meet the FFN's start units with the mismatch (its bucket 4: units), or its
-    # completion count and reply status (bucket 16: the count form); the expert layout's
-    # collect keeps its barrier (kSmallRecv) with the control on
+    # The flagged units on one side only, with the defaults (AFDEP_LL_SMALL and
+    # AFDEP_EARLY_COLLECT on; set here all the same), in either layout: the FFN (bucket 16, 4 per
+    # channel) expects the count block while the Attention (bucket 4) sends units, and replies
+    # in the count form to a collect that watches for units (T = 3 <= 2 x 4), the token
+    # layout's collect lanes meeting its completion count and reply status; and the reverse
+    # (the FFN's bucket 4: its start units tell the mismatch). The expert layout's collect
+    # keeps its barrier (kSmallRecv) with the control on.
     "early_collect_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
                                  [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "early_collect_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),

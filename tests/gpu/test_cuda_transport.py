@@ -164,14 +164,23 @@ SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS"
           "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
 # test_stream_expansion_reverted_eager reverts it at T = 2048
+# test_each_control_reverted_alone's (cap, hidden, dtype) per layout: the controls' own eager
+# tests leave these cells out (the same exchanges with the same control at 0)
+ALONE_CELLS = {"1A1F": (128, 2048, "bfloat16"), "2A2F": (128, 2048, "bfloat16"),
+               "3A1F": (128, 2048, "float8_e4m3fn")}
 
 
-@pytest.mark.parametrize("layout", ["1A1F", "2A2F", "3A1F"])
+def not_alone(cases):
+    """``cases`` without test_each_control_reverted_alone's cells."""
+    return [c for c in cases if ALONE_CELLS.get(c[0]) != tuple(c[1:4])]
+
+
+@pytest.mark.parametrize("layout", sorted(ALONE_CELLS))
 @pytest.mark.parametrize("control", SINGLE)
 def test_each_control_reverted_alone(control, layout):
     """Every control reverted on its own still delivers the contract exactly (each mixed
     protocol is a real code path: the symmetric arm is all of them at once)."""
-    kw = cfg_kw(layout, 128, 2048, "float8_e4m3fn" if layout == "3A1F" else "bfloat16")
+    kw = cfg_kw(layout, *ALONE_CELLS[layout])
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], 128), env={control: "0"}, seed=11)
 
 
@@ -198,7 +207,8 @@ def test_stream_expansion_graph_replays(dtype):
     assert all(r == 100 for r in res)
 
 
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+@pytest.mark.parametrize("layout,cap,hidden,dtype",
+                         not_alone([c for c in CASES if c[0] == "1A1F"])
                          + [("2A2F", 128, 4096, "bfloat16")])
 def test_pdl_reverted_eager(layout, cap, hidden, dtype):
     """AFDEP_PDL=0: ordinary launches (the default, programmatic dependent launch, runs in
@@ -252,7 +262,8 @@ def test_pdl_reverted_graph_replays(dtype, bucket, tokens):
     graph_replays_1a1f(dtype, bucket, tokens, NO_PDL, 8000)
 
 
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [c for c in CASES if c[0] == "1A1F"]
+@pytest.mark.parametrize("layout,cap,hidden,dtype",
+                         not_alone([c for c in CASES if c[0] == "1A1F"])
                          + [("2A2F", 128, 4096, "bfloat16")])
 def test_one_fence_reverted_eager(layout, cap, hidden, dtype):
     """AFDEP_ONE_FENCE=0 (a release flag after the fence: two system fences per signal):
@@ -261,8 +272,12 @@ def test_one_fence_reverted_eager(layout, cap, hidden, dtype):
     run(layout, kw, tokens_plan(LAYOUTS[layout][1], cap), env=NO_ONE_FENCE, seed=11)
 
 
-@pytest.mark.parametrize("env", [NO_EARLY, PREVIOUS], ids=["reverted", "previous_defaults"])
-@pytest.mark.parametrize("layout,cap,hidden,dtype", EAGER_SMALL)
+@pytest.mark.parametrize(
+    "layout,cap,hidden,dtype,env",
+    [pytest.param(*c, NO_EARLY, id="-".join(map(str, c)) + "-reverted")
+     for c in not_alone(EAGER_SMALL)]
+    + [pytest.param(*c, PREVIOUS, id="-".join(map(str, c)) + "-previous_defaults")
+       for c in EAGER_SMALL])
 def test_early_loads_reverted_eager(layout, cap, hidden, dtype, env):
     """AFDEP_EARLY_LOADS=0 (each load after the one it follows: ids in the claim, rows after
     it; header then entries; counts, then rows; route after the wait), alone and with PDL and
@@ -289,12 +304,14 @@ def test_early_loads_reverted_graph_replays(dtype, bucket, tokens):
 UNIT_CELLS = [("bfloat16", 8, 1), ("bfloat16", 48, 48), ("float8_e4m3fn", 49, 7)]
 
 
-@pytest.mark.parametrize("env", [{}, {"AFDEP_SMALL_KERNELS": "0"}, {"AFDEP_LL_SMALL": "0"}],
-                         ids=["units", "generic_kernels", "ll_off"])
+@pytest.mark.parametrize("env", [{"AFDEP_SMALL_KERNELS": "0"}, {"AFDEP_LL_SMALL": "0"}],
+                         ids=["generic_kernels", "ll_off"])
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_expert_reply_units_graph_replays(dtype, bucket, tokens, env):
-    """100 checked graph replays of the expert layout around the reply units' edge."""
+    """100 checked graph replays of the expert layout around the reply units' edge, through
+    the generic kernels and with the units off (the defaults: test_ll_experts_graph_replays,
+    on the same cells)."""
     graph_replays_1a1f(dtype, bucket, tokens, env, 9200)
 
 
