@@ -456,7 +456,8 @@ __device__ __forceinline__ void trace_mark(const Layout& L, int pt, int max_pt) 
 
 // Called by every warp (lane 0 stamps): `pt` becomes the latest of the CTA's warps' times, for
 // a step that several warps end on their own (no barrier in front); every stamp of `pt` in
-// that launch must come through here, thread 0's included.
+// that launch must come through here, thread 0's included, and a barrier must separate
+// trace_begin's zeroing from the first of them.
 __device__ __forceinline__ void trace_mark_latest(const Layout& L, int pt) {
   if (L.trace == nullptr || (threadIdx.x & 31) != 0) return;
   atomicMax(reinterpret_cast<unsigned long long*>(trace_stamps() + pt),

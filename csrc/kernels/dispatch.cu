@@ -1259,6 +1259,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   trace_begin(L);
+  // traced kLoneSplitSend: its warps fold their stamps into the zeroed ones (trace_mark_latest)
+  if (kForm == kLoneSplitSend && L.trace != nullptr) __syncthreads();
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
   // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
   trace_mark(L, kTrStart, -1);
