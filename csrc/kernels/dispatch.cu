@@ -12,7 +12,9 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 // The count block's `ahead` word: how the receiver learns that a region's payload is complete.
-enum Ahead : int { kAheadNone = 0, kAheadChannel = 1, kAheadRows = 2 };
+// kAheadRaw (F_RAW_META, flagged units only): the region's one token came from a lone sender
+// CTA with raw metadata units (raw_meta), its payload complete as for kAheadNone.
+enum Ahead : int { kAheadNone = 0, kAheadChannel = 1, kAheadRows = 2, kAheadRaw = 3 };
 
 // Token layout with F_LEAN_COUNTS: count blocks carry the header only (the token layout's
 // receiver never reads the per-expert counts).
@@ -40,6 +42,14 @@ __host__ __device__ __forceinline__ bool ll_exchange(const Layout& L, const Disp
 // them (dispatch_form), so the generic kernel never sees such an exchange.
 __host__ __device__ __forceinline__ bool llx_exchange(const Layout& L, const DispatchArgs& a) {
   return L.llx && a.stride <= kLLXTokens && units_fit(L, a.stride);
+}
+// F_RAW_META (token layout, kRawSend / kRawRecv): a lone token's metadata units are its raw ids
+// and weights in the source's columns: [0] its index, [1] k, [2, 2 + k) the ids (a valid id as
+// is, any other -1), [2 + k, 2 + 2k) the weights' bits. They fit where 2 + 2k <= meta_ints
+// (R >= 2k / 3). Sender and receivers decide alike: the flags and the config agree.
+__host__ __device__ __forceinline__ bool raw_meta(const Layout& L) {
+  constexpr uint32_t kNeeds = F_RAW_META | F_LONE_TOKEN | F_SMALL_KERNELS | kLLNeeds;
+  return L.tokens && (L.flags & kNeeds) == kNeeds && 2 + 2 * L.k <= L.meta_ints;
 }
 
 // Units of region (src_idx, ch) in a window: [0] token count, [1] ahead | bucket << kAheadBits,
@@ -939,6 +949,40 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
 // slot-major (j, region): the order in which rows land when each row has its own flag.
 // booked: every region's arrays are already written (the small receive books each region as
 // its wait ends) and published by a barrier.
+// F_RAW_META (kRawRecv): a lone token's raw metadata units (raw_meta), waited for, as columns:
+// lane c's entry is column c's id when it is valid, its first occurrence and on this FFN rank
+// (el: its local id, wi: its weight's bits, col = c), else none (el -1, wi 0, col -1). The
+// same entries as the sender's claim would have written (claim_token), in column order.
+__device__ __forceinline__ bool load_raw_units(const Layout& L, const uint64_t* u, uint32_t llf,
+                                               uint64_t deadline, int sr, int& tok, int& el,
+                                               int& wi, int& col) {
+  const int lane = threadIdx.x & 31;
+  constexpr int ph = kPhaseDispatch;
+  uint64_t uh = 0, ui = 0, uw = 0;
+  if (lane < 2) uh = ld_ll(u + lane);
+  if (lane < L.k) {
+    ui = ld_ll(u + 2 + lane);
+    uw = ld_ll(u + 2 + L.k + lane);
+  }
+  bool ok = true;
+  int hv = 0, id = -1;
+  wi = 0;
+  if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, hv);
+  if (lane < L.k)
+    ok = ok && ll_settle(u + 2 + lane, ui, llf, deadline, L.err, ph, sr, L.rank, id) &&
+         ll_settle(u + 2 + L.k + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi);
+  tok = __shfl_sync(kFull, hv, 0);
+  const bool valid = lane < L.k && id >= 0 && id < L.E;
+  const int e32 = valid ? id : -2 - lane;  // invalid lanes: distinct negative values
+  const bool first = valid && (__match_any_sync(kFull, e32) & lanemask_lt()) == 0;
+  const int f = first ? fast_div(e32, L.div_El) : -1;
+  const bool mine = first && f == L.my_index;
+  el = mine ? e32 - f * L.El : -1;
+  col = mine ? lane : -1;
+  if (!mine) wi = 0;
+  return __all_sync(kFull, ok);
+}
+
 template <int kForm, bool kSpread = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem, bool booked) {
@@ -983,9 +1027,13 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     float w = 0.f;
     if (L.ll && s_form[g]) {  // flagged units: all loaded at once, then each one waited for
       int wi = 0;
-      if (!load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline, sr,
-                            tok, nloc, el, wi, col))
+      const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
+      // kRawRecv: the region's one token came from a lone sender CTA, with raw metadata
+      if (kForm == kRawRecv && s_ahead[g] == kAheadRaw) {
+        if (!load_raw_units(L, ut, llf, deadline, sr, tok, el, wi, col)) return;
+      } else if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, col)) {
         return;
+      }
       w = __int_as_float(wi);
       if (el < 0 || el >= L.El) col = -1;
     } else if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
@@ -1209,6 +1257,30 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
   return ffn_bits(valid, f);
 }
 
+// F_RAW_META: warp 0 of a lone token's CTA stores the token's raw metadata units (raw_meta)
+// into slot 0 of its region at every FFN rank in fmask, from the ids and weights it preloaded
+// (e, w: this lane's; -1 / 0 past k). Unlike the claim's, no duplicate is matched and no FFN
+// index computed first: the receiver does that (load_raw_units).
+__device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_idx, int c,
+                                               long long e, float w, uint64_t fmask,
+                                               uint32_t llf) {
+  const int lane = threadIdx.x & 31;
+  const int id = lane < L.k && e >= 0 && e < L.E ? (int)e : -1;
+#pragma unroll 1
+  for (uint64_t m = fmask; m != 0; m &= m - 1) {
+    uint64_t* u = ll_token(L, ll_region(L, ffn_window(L, __ffsll((long long)m) - 1), src_idx, c),
+                           0);
+    if (lane == 0) {
+      st_ll(u, t, llf);
+      st_ll(u + 1, L.k, llf);
+    }
+    if (lane < L.k) {
+      st_ll(u + 2 + lane, id, llf);
+      st_ll(u + 2 + L.k + lane, __float_as_int(w), llf);
+    }
+  }
+}
+
 // F_LONE_TOKEN: the send stage of a CTA holding one token on the flagged-unit path (pre.lone:
 // count-first, fused, streamed and early-count copies are all off there). The token's slot is
 // 0 in every region it reaches, and which FFN ranks it reaches follows from its ids, which
@@ -1219,24 +1291,33 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
 // barrier behind the table's writes.
 // kSplit (kLoneSplitSend, F_LONE_SPLIT): where pre.split, warp 0 holds none of the row, so its
 // claim is the last thing it sends, not the row's first 32 vectors behind the claim
-template <bool kSplit = false>
+// kRaw (kRawSend, F_RAW_META): warp 0 stores the token's raw metadata units (raw_meta) at once,
+// then its row vectors, and only then the rest of the claim (route, id reports), which no FFN
+// rank waits for: each derives its columns from the raw ids (load_raw_units)
+template <bool kSplit = false, bool kRaw = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
   const uint32_t llf = ll_flag(n);
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
-  if (warp == 0) {
+  if (!kRaw && warp == 0) {
     claim_token<true>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx, c, true,
                       pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
+  if (kRaw && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
   for (int fd = tid - 32; fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
     if (fd >= 0)
       st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
-             kAheadNone | (a.bucket << kAheadBits), llf);
+             (kRaw ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
   copy_preloaded<true, kSplit>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  if (kRaw && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
+    if (threadIdx.x < L.k && (pre.e < -1 || pre.e >= L.E)) report_route(L.err, pre.e, 0);
+    if (threadIdx.x == 0) a.route[t] = (int64_t)fmask;
+    trace_mark(L, kTrClaimed, -1);
+  }
   if (kSplit && pre.split) {  // thread 0 copied nothing: the latest warp's stores (or claim)
     trace_mark_latest(L, kTrCopied);
     trace_mark_latest(L, kTrSent);
@@ -1249,8 +1330,8 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
-// kSpread (F_SPREAD_CHUNKS; kSmallRecv only, an instantiation of its own): place_rows_ll's
-// chunks warp-major
+// kSpread (F_SPREAD_CHUNKS; kSmallRecv and kRawRecv only, instantiations of their own):
+// place_rows_ll's chunks warp-major
 template <int kForm, bool kSpread = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
@@ -1301,7 +1382,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
-    send_lone_token<kForm == kLoneSplitSend>(L, a, n, pre);
+    send_lone_token<kForm == kLoneSplitSend, kForm == kRawSend>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
@@ -1516,6 +1597,11 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
     return send ? small_send
            : recv ? ((L.flags & F_EARLY_EXPAND) ? kUnitExpEarly : kUnitExpRecv)
                   : kGeneric;
+  // F_RAW_META (its needs hold F_SMALL_KERNELS and the directional controls): only these forms
+  // know the raw metadata, so, as above, they run with debug output on too (and before
+  // F_LONE_SPLIT, whose form does not send it)
+  if (L.ll && raw_meta(L) && ll_exchange(L, a))
+    return send ? kRawSend : recv ? kRawRecv : kGeneric;
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
   if (L.ll) {
@@ -1540,6 +1626,10 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kLoneSplitSend>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawSend>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawRecv>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kRawRecv, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
@@ -1561,6 +1651,13 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
     case kLoneSplitSend:
       return launch_transport_kernel(dispatch_kernel<kLoneSplitSend>, L, a, grid, smem, stream);
+    case kRawSend:
+      return launch_transport_kernel(dispatch_kernel<kRawSend>, L, a, grid, smem, stream);
+    case kRawRecv:  // F_SPREAD_CHUNKS as for kSmallRecv
+      return (L.flags & F_SPREAD_CHUNKS)
+                 ? launch_transport_kernel(dispatch_kernel<kRawRecv, true>, L, a, grid, smem,
+                                           stream)
+                 : launch_transport_kernel(dispatch_kernel<kRawRecv>, L, a, grid, smem, stream);
     case kSmallRecv:  // F_SPREAD_CHUNKS: its rows' placement in the spread instantiation
       return (L.flags & F_SPREAD_CHUNKS)
                  ? launch_transport_kernel(dispatch_kernel<kSmallRecv, true>, L, a, grid, smem,

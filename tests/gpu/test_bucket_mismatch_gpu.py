@@ -63,6 +63,15 @@ CASES = {
     # or on one side only (early_collect_ffn_counts and _units below, the same defaults)
     "tokens": ({"AFDEP_LL_SMALL": "0"}, dict(receive_layout="tokens"), EXCHANGES),
     "ll_small": ({"AFDEP_LL_SMALL": "1"}, dict(receive_layout="tokens"), EXCHANGES),
+    # AFDEP_RAW_META (experimental): the token layout's lone tokens (T = 5 over 4 channels of 2
+    # at bucket 8: CTA 2 holds one) send raw metadata beside the others' entries; on one side
+    # only, the FFN's count form (bucket 16) takes the raw region as a mismatch, and the
+    # reverse
+    "raw_meta": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"), EXCHANGES),
+    "raw_meta_ffn_counts": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"),
+                            [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "raw_meta_ffn_units": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"),
+                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     # the expert layout's reply: units by default (bucket 8 <= 2 x 4, the role_aware case), the
     # count form with AFDEP_LL_SMALL=0, and on one side only (early_collect_experts_ffn_counts
     # and _units below, the same defaults)
@@ -276,6 +285,10 @@ def test_bucket_mismatch_reported_on_both_roles(case):
             assert a[1] == want, (i, a)
         if case.startswith("spec_reply"):  # its FFN bucket's 2 or 4 rows fit the stage
             assert f[1] == "kSpecReply", (i, f)
+        if case.startswith("raw_meta"):  # the token layout's units: ceil(bucket / S) <= 2
+            units = [-(-b // cfg_kw["num_sms"]) <= 2 for b in (bucket_a, bucket_f)]
+            assert a[0] == ("kRawSend" if units[0] else "kGeneric"), (i, a)
+            assert f[0] == ("kRawRecv" if units[1] else "kGeneric"), (i, f)
 
     f, a = ffn["exchanges"][1], attn["exchanges"][1]
     _, bucket_a, bucket_f = exchanges[1]

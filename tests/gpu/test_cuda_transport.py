@@ -760,7 +760,8 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
-@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_LONE_SPLIT=1"]], ids=["defaults", "lone_split"])
+@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_LONE_SPLIT=1"], ["AFDEP_RAW_META=1"]],
+                         ids=["defaults", "lone_split", "raw_meta"])
 @pytest.mark.parametrize("layout", ["experts", "tokens"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
@@ -768,7 +769,9 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     signal; the claim's first loads; count table; reply rows and, in the token layout at
     T = 1, the reply's first row loaded) are non-negative and add up within the stage they
     split. lone_split: AFDEP_LONE_SPLIT=1, whose T = 1 dispatch (kLoneSplitSend) stamps the
-    payload and the send as the latest of its warps (trace_mark_latest): still ordered."""
+    payload and the send as the latest of its warps (trace_mark_latest): still ordered.
+    raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend) stamps the
+    claim after its copy; the expert layout keeps kSmallSend."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -784,8 +787,10 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     data = json.loads(out.read_text())
     rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128]
-    if afdep_env:  # the T = 1 dispatch took the split form (T = 128: the count form or generic)
-        assert rows[0]["kernel_forms"][0] == "kLoneSplitSend", rows[0]["kernel_forms"]
+    if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
+        want = {"AFDEP_LONE_SPLIT=1": "kLoneSplitSend",
+                "AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend"}
+        assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:
         s = r["stages_us"]

@@ -588,6 +588,29 @@ def test_token_layout_ll_small_graphs(layout, dtype_name):
                              zero_copy=True)
 
 
+# AFDEP_RAW_META (experimental, off by default): a lone token's metadata units are its raw ids
+# and weights (kRawSend), each FFN rank deriving its columns (kRawRecv)
+RAW = {"AFDEP_LL_SMALL": "1", "AFDEP_RAW_META": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype_name,extra", [
+    ("1A1F", "bfloat16", {}), ("2A2F", "float8_e4m3fn", {}), ("3A1F", "bfloat16", {}),
+    ("1A3F", "bfloat16", {}), ("1A1F", "float8_e4m3fn", {"AFDEP_SPREAD_CHUNKS": "1"}),
+    ("2A2F", "bfloat16", {"AFDEP_LONE_SPLIT": "1"})],
+    ids=["1A1F", "2A2F", "3A1F", "1A3F", "1A1F-spread", "2A2F-lone_split"])
+def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
+    """test_token_layout_ll_small_graphs with AFDEP_RAW_META=1 (experimental), the graphs at
+    T = 3 and 1 over the 2 channels: a CTA of one token (T = 1; the second CTA at T = 3, whose
+    token has a duplicated id) sends its raw ids and weights, the other CTA at T = 3 its two
+    tokens' entries, so one receive takes both kinds of region; every FFN rank's rows exact
+    (local ids, columns, weights, duplicates dropped), hostile ids reported, 100 checked
+    replays; with AFDEP_SPREAD_CHUNKS (kRawRecv's spread instantiation), and with
+    AFDEP_LONE_SPLIT, which the raw form takes precedence over."""
+    test_token_layout_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
+                             attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
+                             graph_tokens=[3, 1])
+
+
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("3A1F", "bfloat16")])
 def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):
@@ -679,6 +702,19 @@ def test_token_layout_spread_chunks_sanitizer_small():
                                   env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "1"},
                                   timeout=900)
     _check_small(res, "bfloat16")
+
+
+def test_token_layout_raw_meta_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small with AFDEP_RAW_META=1, under
+    compute-sanitizer memcheck: the graph at T = 3 (a raw region beside a claimed one), the
+    dispatch in kRawSend and the receive in kRawRecv."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True, [3],
+                                  env=RAW, timeout=900)
+    _check_small(res, "bfloat16")
+    for out in res:
+        assert out["flags"] is None or out["flags"] & controls.CONTROLS["AFDEP_RAW_META"].bit
+        want = {"attention": "kRawSend", "ffn": "kRawRecv"}[out["role"]]
+        assert out["forms"][0] == {want}, out["forms"]
 
 
 def test_token_layout_lone_split_sanitizer_small():

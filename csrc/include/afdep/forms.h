@@ -22,7 +22,9 @@ namespace afdep {
 // kUnitExpRecv); kUnitReply with few rows in all, each warp loading its chunk of every row
 // with its slot's receipt instead of after it (kSpecReply, F_SPEC_REPLY: spec_reply_fits);
 // kSmallSend whose lone token's row sits on the warps past the claiming warp 0
-// (kLoneSplitSend, F_LONE_SPLIT: its code kept out of kSmallSend).
+// (kLoneSplitSend, F_LONE_SPLIT: its code kept out of kSmallSend); the token layout's
+// kSmallSend and kSmallRecv with a lone token's raw ids and weights as its metadata units
+// (kRawSend, kRawRecv, F_RAW_META: raw_meta_fits).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend and
@@ -32,7 +34,7 @@ namespace afdep {
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kUnitExpRecv, 6) X(kCountRecvLL, 7) X(kEarlyCollect, 8)               \
-  X(kUnitExpEarly, 9) X(kSpecReply, 10) X(kLoneSplitSend, 11)
+  X(kUnitExpEarly, 9) X(kSpecReply, 10) X(kLoneSplitSend, 11) X(kRawSend, 12) X(kRawRecv, 13)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -41,15 +43,15 @@ enum KernelForm : int {
 };
 __host__ __device__ constexpr bool form_units(int f) {
   return f == kSmallSend || f == kSmallRecv || f == kUnitExpRecv || f == kUnitExpEarly ||
-         f == kLoneSplitSend;
+         f == kLoneSplitSend || f == kRawSend || f == kRawRecv;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
   return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kSpecReply ||
-         f == kLoneSplitSend;
+         f == kLoneSplitSend || f == kRawSend;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kUnitExpRecv || f == kCountRecvLL ||
-         f == kEarlyCollect || f == kUnitExpEarly;
+         f == kEarlyCollect || f == kUnitExpEarly || f == kRawRecv;
 }
 
 // kSpecReply (F_SPEC_REPLY): a warp stages its chunk of every row, at most kSpecVecs 16-byte

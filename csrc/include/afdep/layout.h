@@ -53,7 +53,10 @@ namespace afdep {
                                warp loads its chunk of every row with its receipt, not after  \
                                it (kSpecReply, experimental) */                               \
   X(LONE_SPLIT, 24)         /* F_LONE_TOKEN: the claiming warp 0 holds none of the row; the   \
-                               others store it all (kLoneSplitSend, experimental) */
+                               others store it all (kLoneSplitSend, experimental) */          \
+  X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
+                               go ahead of its row; each FFN rank derives its own columns     \
+                               (kRawSend, kRawRecv, experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
