@@ -81,7 +81,9 @@ STAGES = [
     ("      A CTA0: route mask known -> tokens claimed",
      lambda da, ca, df, cf: _gap(da, CLAIMED, da, MASKED), False),
     # (AFDEP_LONE_SPLIT: a lone token's "payload written" is the latest warp's, warp 0's being
-    # its claim: 0 when the claim was last)
+    # its claim: 0 when the claim was last. AFDEP_RAW_META: warp 0 stamps "claimed" after its
+    # raw metadata, its row vectors and the route, so "loads -> claimed" holds its copy and
+    # this stage is about 0; no "route mask known" stamp)
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),

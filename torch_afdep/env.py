@@ -193,12 +193,13 @@ _CONTROLS = (
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (not yet run on a GPU): the token layout with "
              "AFDEP_LONE_TOKEN (and AFDEP_SMALL_KERNELS), where a token's 2 + 2k metadata "
-             "units fit its slot (R >= 2k / 3): a sender CTA of one token runs kRawSend, "
-             "whose warp 0 stores the token's raw ids and weights as its metadata units at "
-             "once, then its row vectors, and only then the route and the id reports; the "
+             "units fit its slot (R >= 2k / 3 is enough): a sender CTA of one token runs "
+             "kRawSend, whose warp 0 stores the token's raw ids and weights as its metadata "
+             "units as soon as it has the mask of FFN ranks they reach, then its row vectors, "
+             "and only then the route and the id reports; the "
              "FFN's receive (kRawRecv) derives its local ids and columns from them (duplicates "
-             "matched, other ranks' ids dropped), so that the claim's work is off the path to "
-             "the FFN; the same outputs; 0 = warp 0 claims first (route, duplicates, this "
+             "matched, other ranks' ids dropped), so that most of the claim's work is off the "
+             "path to the FFN; the same outputs; 0 = warp 0 claims first (route, duplicates, this "
              "rank's entries) and the metadata units carry the entries"),
 )
 

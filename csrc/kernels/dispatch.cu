@@ -46,7 +46,8 @@ __host__ __device__ __forceinline__ bool llx_exchange(const Layout& L, const Dis
 // F_RAW_META (token layout, kRawSend / kRawRecv): a lone token's metadata units are its raw ids
 // and weights in the source's columns: [0] its index, [1] k, [2, 2 + k) the ids (a valid id as
 // is, any other -1), [2 + k, 2 + 2k) the weights' bits. They fit where 2 + 2k <= meta_ints
-// (R >= 2k / 3). Sender and receivers decide alike: the flags and the config agree.
+// (= 2 + 3R rounded up to 4: R >= 2k / 3 is enough). Sender and receivers decide alike: the
+// flags and the config agree.
 __host__ __device__ __forceinline__ bool raw_meta(const Layout& L) {
   constexpr uint32_t kNeeds = F_RAW_META | F_LONE_TOKEN | F_SMALL_KERNELS | kLLNeeds;
   return L.tokens && (L.flags & kNeeds) == kNeeds && 2 + 2 * L.k <= L.meta_ints;
@@ -1259,8 +1260,9 @@ __device__ __forceinline__ uint64_t token_ffn_mask(const Layout& L, long long e)
 
 // F_RAW_META: warp 0 of a lone token's CTA stores the token's raw metadata units (raw_meta)
 // into slot 0 of its region at every FFN rank in fmask, from the ids and weights it preloaded
-// (e, w: this lane's; -1 / 0 past k). Unlike the claim's, no duplicate is matched and no FFN
-// index computed first: the receiver does that (load_raw_units).
+// (e, w: this lane's; -1 / 0 past k). Unlike the claim, it matches no duplicate and computes no
+// rank's entries first (the receiver does, load_raw_units); only the mask of FFN ranks (one
+// division and two reductions, token_ffn_mask) comes before these stores.
 __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_idx, int c,
                                                long long e, float w, uint64_t fmask,
                                                uint32_t llf) {

@@ -611,6 +611,14 @@ def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
                              graph_tokens=[3, 1])
 
 
+def test_token_layout_raw_meta_needs_lone_token():
+    """AFDEP_RAW_META=1 with AFDEP_LONE_TOKEN=0: no sender CTA takes the lone path, so there is
+    no raw metadata to send and the forms stay kSmallSend and kSmallRecv; every row exact."""
+    test_token_layout_graphs("1A1F", "bfloat16", env={**RAW, "AFDEP_LONE_TOKEN": "0"}, cap=4,
+                             zero_copy=True, attention_send_form="kSmallSend",
+                             ffn_receive_form="kSmallRecv", graph_tokens=[3])
+
+
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("3A1F", "bfloat16")])
 def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):

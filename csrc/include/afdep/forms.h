@@ -24,12 +24,13 @@ namespace afdep {
 // kSmallSend whose lone token's row sits on the warps past the claiming warp 0
 // (kLoneSplitSend, F_LONE_SPLIT: its code kept out of kSmallSend); the token layout's
 // kSmallSend and kSmallRecv with a lone token's raw ids and weights as its metadata units
-// (kRawSend, kRawRecv, F_RAW_META: raw_meta_fits).
+// (kRawSend, kRawRecv, F_RAW_META: raw_meta in dispatch.cu).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv, kUnitExpEarly and the expert layout's kSmallSend and
-// kLoneSplitSend: the generic kernel has no expert-layout units, so F_LL_EXPERTS needs
-// F_SMALL_KERNELS.
+// kLoneSplitSend (the generic kernel has no expert-layout units, so F_LL_EXPERTS needs
+// F_SMALL_KERNELS), and kRawSend and kRawRecv (the generic kernel has no raw metadata): these
+// run with debug output on too.
 // (name, value): one list for the enum and the names the Python module exports
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
