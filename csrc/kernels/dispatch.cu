@@ -943,13 +943,6 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
                             col);
 }
 
-// Receiver side of the token layout: the payload already sits where the FFN reads it (the
-// inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
-// view), so this writes only the metadata of every row and waits until each reported row's
-// payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
-// slot-major (j, region): the order in which rows land when each row has its own flag.
-// booked: every region's arrays are already written (the small receive books each region as
-// its wait ends) and published by a barrier.
 // F_RAW_META (kRawRecv): a lone token's raw metadata units (raw_meta), waited for, as columns:
 // lane c's entry is column c's id when it is valid, its first occurrence and on this FFN rank
 // (el: its local id, wi: its weight's bits, col = c), else none (el -1, wi 0, col -1). The
@@ -984,6 +977,13 @@ __device__ __forceinline__ bool load_raw_units(const Layout& L, const uint64_t* 
   return __all_sync(kFull, ok);
 }
 
+// Receiver side of the token layout: the payload already sits where the FFN reads it (the
+// inbox slot of token j of region (a, c) is row a * rps + c * stride + j of the [A*rps, H]
+// view), so this writes only the metadata of every row and waits until each reported row's
+// payload has landed (the caller's MoE reads x right after this kernel). Units are rows,
+// slot-major (j, region): the order in which rows land when each row has its own flag.
+// booked: every region's arrays are already written (the small receive books each region as
+// its wait ends) and published by a barrier.
 template <int kForm, bool kSpread = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem, bool booked) {
@@ -1293,9 +1293,10 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // barrier behind the table's writes.
 // kSplit (kLoneSplitSend, F_LONE_SPLIT): where pre.split, warp 0 holds none of the row, so its
 // claim is the last thing it sends, not the row's first 32 vectors behind the claim
-// kRaw (kRawSend, F_RAW_META): warp 0 stores the token's raw metadata units (raw_meta) at once,
-// then its row vectors, and only then the rest of the claim (route, id reports), which no FFN
-// rank waits for: each derives its columns from the raw ids (load_raw_units)
+// kRaw (kRawSend, F_RAW_META): warp 0 stores the token's raw metadata units (raw_meta) once it
+// has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
+// reports), which no FFN rank waits for: each derives its columns from the raw ids
+// (load_raw_units)
 template <bool kSplit = false, bool kRaw = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
