@@ -1644,6 +1644,16 @@ cudaError_t dispatch_prepare(const Layout& L) {
   return e;
 }
 
+// F_SPREAD_CHUNKS: a receive form that places rows from their units, in its spread
+// instantiation (place_rows_ll's chunks warp-major)
+template <int kForm>
+cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
+                              cudaStream_t stream) {
+  return (L.flags & F_SPREAD_CHUNKS)
+             ? launch_transport_kernel(dispatch_kernel<kForm, true>, L, a, grid, smem, stream)
+             : launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);
+}
+
 cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream,
                             int* form) {
   const size_t smem = dispatch_smem_bytes(L);
@@ -1656,16 +1666,10 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kLoneSplitSend>, L, a, grid, smem, stream);
     case kRawSend:
       return launch_transport_kernel(dispatch_kernel<kRawSend>, L, a, grid, smem, stream);
-    case kRawRecv:  // F_SPREAD_CHUNKS as for kSmallRecv
-      return (L.flags & F_SPREAD_CHUNKS)
-                 ? launch_transport_kernel(dispatch_kernel<kRawRecv, true>, L, a, grid, smem,
-                                           stream)
-                 : launch_transport_kernel(dispatch_kernel<kRawRecv>, L, a, grid, smem, stream);
-    case kSmallRecv:  // F_SPREAD_CHUNKS: its rows' placement in the spread instantiation
-      return (L.flags & F_SPREAD_CHUNKS)
-                 ? launch_transport_kernel(dispatch_kernel<kSmallRecv, true>, L, a, grid, smem,
-                                           stream)
-                 : launch_transport_kernel(dispatch_kernel<kSmallRecv>, L, a, grid, smem, stream);
+    case kRawRecv:
+      return launch_spreadable<kRawRecv>(L, a, grid, smem, stream);
+    case kSmallRecv:
+      return launch_spreadable<kSmallRecv>(L, a, grid, smem, stream);
     case kCountSend:
       return launch_transport_kernel(dispatch_kernel<kCountSend>, L, a, grid, smem, stream);
     case kCountRecv:
