@@ -42,10 +42,10 @@ CAP, HIDDEN, EXPERTS, TOP_K, SMS = 128, 2048, 12, 4, 2
 REPLAYS = 100
 
 
-def _config(a_n, f_n, dtype_name, cap=CAP, timeout_s=30.0):
+def _config(a_n, f_n, dtype_name, cap=CAP, timeout_s=30.0, experts=EXPERTS):
     import torch_afdep as ta
 
-    return ta.Config(capacity_tokens_per_rank=cap, hidden_size=HIDDEN, num_experts=EXPERTS,
+    return ta.Config(capacity_tokens_per_rank=cap, hidden_size=HIDDEN, num_experts=experts,
                      top_k=TOP_K, ffn_ranks=f_n, attention_ranks=a_n,
                      dtype=getattr(torch, dtype_name), num_sms=SMS, receive_layout="tokens",
                      timeout_s=timeout_s)
@@ -55,13 +55,13 @@ def _expert(e, rows):
     return torch.tanh(rows) * (1.0 + 0.25 * ((e % 5) - 2)) + 0.01 * (e + 1)
 
 
-def _hostile(ids, seed):
-    """Some entries outside [-1, E) (the kernels skip and report them)."""
+def _hostile(ids, seed, experts=EXPERTS):
+    """Some entries outside [-1, experts) (the kernels skip and report them)."""
     g = torch.Generator().manual_seed(seed)
     t = ids.shape[0]
     if t == 0:
         return ids
-    bad = [EXPERTS, EXPERTS + 3, -2, 2 ** 31 - 1 if ids.dtype == torch.int32 else -(2 ** 40)]
+    bad = [experts, experts + 3, -2, 2 ** 31 - 1 if ids.dtype == torch.int32 else -(2 ** 40)]
     ids = ids.clone()
     for q in range(min(4, t)):
         r = int(torch.randint(t, (1,), generator=g))
@@ -80,19 +80,19 @@ def _inputs(cfg, a, tokens, seed, hostile=False):
         ids[1, 2] = ids[1, 0]
         ids[2, 3] = ids[2, 1]
     if hostile:
-        ids = _hostile(ids, seed)
+        ids = _hostile(ids, seed, cfg.num_experts)
     return ref.Inputs(inp.x, ids, inp.weights, inp.x_scales)
 
 
-def _clean(ids):
+def _clean(ids, experts=EXPERTS):
     ids = ids.to(torch.int64)
-    return torch.where((ids >= 0) & (ids < EXPERTS), ids, torch.full_like(ids, -1))
+    return torch.where((ids >= 0) & (ids < experts), ids, torch.full_like(ids, -1))
 
 
 def _want_output(cfg, inp):
     from torch_afdep import reference as ref
 
-    return ref.moe_output(cfg, inp.x, _clean(inp.expert_ids), inp.weights, _expert,
+    return ref.moe_output(cfg, inp.x, _clean(inp.expert_ids, cfg.num_experts), inp.weights, _expert,
                           inp.x_scales)
 
 
@@ -121,7 +121,7 @@ def check_rows(cfg, f, rec, inputs, bucket):
     x = rec.x.cpu().view(torch.uint8)
     xs = None if rec.x_scales is None or rec.x_scales.numel() == 0 else rec.x_scales.cpu()
     for a, inp in enumerate(inputs):
-        lid = ref.local_expert_ids(_clean(inp.expert_ids), f, cfg.experts_per_rank)
+        lid = ref.local_expert_ids(_clean(inp.expert_ids, cfg.num_experts), f, cfg.experts_per_rank)
         reached = (lid >= 0).any(dim=1)
         T = inp.x.shape[0]
         chunk = (T + S - 1) // S
@@ -217,14 +217,14 @@ def eager_plan(cap):
 
 
 def token_graph_body(rank, world, a_n, f_n, dtype_name, replays, cap=CAP, zero_copy=False,
-                     graph_tokens=None):
+                     graph_tokens=None, experts=EXPERTS):
     import torch.distributed as dist
 
     import torch_afdep as ta
     from torch_afdep import reference as ref
     from torch_afdep.errors import AfdepRouteError
 
-    cfg = _config(a_n, f_n, dtype_name, cap)
+    cfg = _config(a_n, f_n, dtype_name, cap, experts=experts)
     dev = devices.world_device()
     out = {"errors": [], "problems": [], "views": set(), "route_errors": 0, "replays": 0}
     bucket = cap
@@ -526,15 +526,16 @@ def test_token_layout_controls(layout, dtype_name):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
                              attention_form=None, ffn_form=None, ffn_receive_form=None,
-                             attention_send_form=None, graph_tokens=None):
+                             attention_send_form=None, graph_tokens=None, experts=EXPERTS):
     """attention_form / ffn_form / ffn_receive_form / attention_send_form: a kernel form
     (forms.h) that some collect of every Attention rank / some reply / some receive of every
     FFN rank / some dispatch of every Attention rank must have run (the test of a path then
     cannot pass on another). graph_tokens: the graphs' T per Attention index (cycled; default
-    the bucket, 20 and 3, each at most the bucket)."""
+    the bucket, 20 and 3, each at most the bucket). experts: E (top-k stays TOP_K). Returns
+    every rank's record (token_graph_body)."""
     a_n, f_n = LAYOUTS[layout]
     res = devices.spawn_gpu_world(token_graph_body, a_n + f_n, a_n, f_n, dtype_name, REPLAYS,
-                                  cap, zero_copy, graph_tokens, env=env, timeout=240)
+                                  cap, zero_copy, graph_tokens, experts, env=env, timeout=240)
     tol = _tol(dtype_name)
     routes = 0
     for r, out in enumerate(res):
@@ -562,6 +563,7 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
     for o in ffn:  # zero-copy: one window, the same address eagerly and in every replay
         assert len(o["views"]) == 1, o["views"]
     assert routes >= a_n * (REPLAYS // 5) - a_n, routes  # every hostile replay reported
+    return res
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("3A1F", "float8_e4m3fn")])
@@ -609,6 +611,19 @@ def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
     test_token_layout_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
                              attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
                              graph_tokens=[3, 1])
+
+
+def test_token_layout_raw_meta_units_do_not_fit():
+    """AFDEP_RAW_META=1 where a lone token's raw ids and weights (2 + 2k ints) do not fit its
+    metadata units (meta_ints = 2 + 3R rounded up to 4): 1A3F with E = 6, k = 4, so E_local = 2,
+    R = 2 and 8 < 10 ints. Every CTA then claims as without the control: the forms stay
+    kSmallSend and kSmallRecv (never the raw ones) in every exchange, and every row is exact."""
+    res = test_token_layout_graphs("1A3F", "bfloat16", env=RAW, cap=4, zero_copy=True,
+                                   attention_send_form="kSmallSend",
+                                   ffn_receive_form="kSmallRecv", graph_tokens=[3, 1],
+                                   experts=6)
+    for r, out in enumerate(res):
+        assert not {"kRawSend", "kRawRecv"} & (out["forms"][0] | out["forms"][1]), (r, out)
 
 
 def test_token_layout_raw_meta_needs_lone_token():
