@@ -182,7 +182,8 @@ _CONTROLS = (
              "its entries name in entry order: one load latency instead of two, the same "
              "outputs bit for bit; 0 = the receipt, then the rows it names (kUnitReply)"),
     _control("AFDEP_LONE_SPLIT", 24, 0,
-             "experimental, off by default (not yet run on a GPU): with AFDEP_LONE_TOKEN, a "
+             "experimental, off by default (one H100, b2c2393: its graph and trace tests "
+             "pass; T = 1 within 1% of 0): with AFDEP_LONE_TOKEN, a "
              "sender CTA of one token runs kLoneSplitSend: warp 0, which claims the token "
              "(route, id checks, metadata units), loads and stores none of its row; the "
              "other 15 warps load the row at the kernel's start (two vectors for some lanes) "
@@ -191,7 +192,8 @@ _CONTROLS = (
              "H7168 BF16; larger rows keep kSmallSend's mapping); the same units; 0 = thread "
              "i holds vectors i and i + 512, warp 0 storing its own after its claim"),
     _control("AFDEP_RAW_META", 25, 0,
-             "experimental, off by default (not yet run on a GPU): the token layout with "
+             "experimental, off by default; BROKEN: on one H100 (b2c2393) its GPU tests and "
+             "traces hang, so do not set it until that is fixed: the token layout with "
              "AFDEP_LONE_TOKEN (and AFDEP_SMALL_KERNELS), where a token's 2 + 2k metadata "
              "units fit its slot (R >= 2k / 3 is enough): a sender CTA of one token runs "
              "kRawSend, whose warp 0 stores the token's raw ids and weights as its metadata "
