@@ -92,8 +92,8 @@ def _clean(ids, experts=EXPERTS):
 def _want_output(cfg, inp):
     from torch_afdep import reference as ref
 
-    return ref.moe_output(cfg, inp.x, _clean(inp.expert_ids, cfg.num_experts), inp.weights, _expert,
-                          inp.x_scales)
+    return ref.moe_output(cfg, inp.x, _clean(inp.expert_ids, cfg.num_experts), inp.weights,
+                          _expert, inp.x_scales)
 
 
 def check_rows(cfg, f, rec, inputs, bucket):
@@ -121,7 +121,8 @@ def check_rows(cfg, f, rec, inputs, bucket):
     x = rec.x.cpu().view(torch.uint8)
     xs = None if rec.x_scales is None or rec.x_scales.numel() == 0 else rec.x_scales.cpu()
     for a, inp in enumerate(inputs):
-        lid = ref.local_expert_ids(_clean(inp.expert_ids, cfg.num_experts), f, cfg.experts_per_rank)
+        lid = ref.local_expert_ids(_clean(inp.expert_ids, cfg.num_experts), f,
+                                   cfg.experts_per_rank)
         reached = (lid >= 0).any(dim=1)
         T = inp.x.shape[0]
         chunk = (T + S - 1) // S
