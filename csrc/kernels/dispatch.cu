@@ -968,7 +968,10 @@ __device__ __forceinline__ bool load_raw_units(const Layout& L, const uint64_t* 
   tok = __shfl_sync(kFull, hv, 0);
   const bool valid = lane < L.k && id >= 0 && id < L.E;
   const int e32 = valid ? id : -2 - lane;  // invalid lanes: distinct negative values
-  const bool first = valid && (__match_any_sync(kFull, e32) & lanemask_lt()) == 0;
+  // every lane matches, the invalid ones too: a full-mask collective behind `valid &&` would
+  // run in the valid lanes only, and the warp would wait there for the others forever
+  const unsigned same = __match_any_sync(kFull, e32);
+  const bool first = valid && (same & lanemask_lt()) == 0;
   const int f = first ? fast_div(e32, L.div_El) : -1;
   const bool mine = first && f == L.my_index;
   el = mine ? e32 - f * L.El : -1;

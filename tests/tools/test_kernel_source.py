@@ -1,0 +1,54 @@
+"""The kernels' source: no warp collective is the operand of a short-circuit or conditional
+operator. `valid && __match_any_sync(kFull, x)` runs the collective in the lanes where valid
+holds only; the others never arrive and the warp waits for them forever, past every kernel
+deadline (AFDEP_RAW_META's receive hung so on a GPU). Such calls must be statements of their
+own whose results are combined afterwards."""
+
+import pathlib
+import re
+
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "kernels"
+COLLECTIVE = r"__(?:match_any|match_all|shfl(?:_up|_down|_xor)?|ballot|all|any|reduce_\w+)_sync"
+# a collective right after &&, || or ?, or after a ternary's ':' (an opening parenthesis
+# between them allowed), in code with comments removed
+GUARDED = re.compile(r"(?:&&|\|\||\?|[^:]:(?!:))\s*\(*\s*" + COLLECTIVE + r"\s*\(")
+
+
+def _code(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def guarded_collectives(text: str):
+    """(line number, line) of each collective that is an operand of &&, ||, ?: in ``text``."""
+    code = _code(text)
+    lines = code.split("\n")
+    return [(i + 1, lines[i].strip()) for i, line in enumerate(lines) if GUARDED.search(line)]
+
+
+def test_the_check_finds_guarded_collectives():
+    bad = [
+        "const bool first = valid && (__match_any_sync(kFull, e32) & m) == 0;",
+        "ok = ok || __any_sync(kFull, x);",
+        "int v = lane < k ? __shfl_sync(kFull, a, 0) : 0;",
+        "int v = lane < k ? 0 : __shfl_xor_sync(kFull, a, 1);",
+    ]
+    for line in bad:
+        assert guarded_collectives(line) == [(1, line)], line
+    good = [
+        "const unsigned same = __match_any_sync(kFull, e32);",
+        "const bool first = valid && (same & m) == 0;",
+        "if (!__all_sync(kFull, ok)) return;",
+        "tok = __shfl_sync(kFull, hv, 0);  // valid && __any_sync(kFull, x) in a comment",
+        "x = afdep::detail::f(__ballot_sync(kFull, p));",
+        "/* a && __all_sync(kFull, b) */ y = 1;",
+    ]
+    for line in good:
+        assert guarded_collectives(line) == [], line
+
+
+def test_no_kernel_guards_a_warp_collective():
+    files = sorted(KERNELS.glob("*.cu")) + sorted(KERNELS.glob("*.cuh"))
+    assert len(files) >= 3, files  # dispatch, combine, common at least
+    found = {f.name: guarded_collectives(f.read_text()) for f in files}
+    assert not any(found.values()), found
