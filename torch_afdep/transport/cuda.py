@@ -9,7 +9,8 @@ The protocol is described in docs/protocol.md; its controls in torch_afdep/env.p
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import threading
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,33 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+#: seconds ``CudaTransport.close`` waits for this rank's kernels beyond two ``timeout_s``
+CLOSE_MARGIN_S = 30.0
+
+
+def wait_bounded(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run ``fn`` (a blocking wait, e.g. a device synchronize, which releases the GIL) on a
+    daemon thread; True once it returned (its exception re-raised here), False when it is
+    still running after ``timeout_s`` (it is then left running)."""
+    done = threading.Event()
+    failure = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # handed to the caller
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="afdep-bounded-wait", daemon=True).start()
+    if not done.wait(timeout_s):
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
 #: ``AFDEP_TRANSPORT``: how the ranks' windows are mapped into each other.
@@ -344,25 +372,40 @@ class CudaTransport(Transport):
     def close(self, clean: bool = True) -> None:
         """Collective and idempotent. ``clean``: meet every peer (bounded by timeout_s) before
         unmapping, so no rank frees memory a peer may still write; after a failure
-        (``clean=False``) free without waiting for peers (every kernel has a deadline)."""
+        (``clean=False``) free without waiting for peers (every kernel has a deadline).
+
+        Raises AfdepTimeoutError, leaving the memory mapped, when this rank's queued kernels
+        have not finished within ``2 * timeout_s + CLOSE_MARGIN_S`` s: every wait in them ends
+        at its deadline, so one is stuck (a kernel bug), and it may still write that memory."""
         if self._closed:
             return
         self._closed = True
         self._view = None
         self._token_x = self._token_scales = None
+        bound = 2.0 * float(self.config.timeout_s) + CLOSE_MARGIN_S  # a timed-out phase, then
+        # the next one (which finds the error block's timeout and leaves)
+        stuck = False
         try:
-            torch.cuda.synchronize(self.device)
+            if not wait_bounded(lambda: torch.cuda.synchronize(self.device), bound):
+                stuck = True
+                raise AfdepTimeoutError(
+                    f"rank {self.rank}: close() waited more than {bound:.0f} s for this "
+                    "rank's kernels to finish; every wait in them ends after timeout_s, so one "
+                    "is stuck. Its memory stays mapped (the kernel may still write it)",
+                    phase="close", rank=self.rank)
         finally:
-            met = False  # a clean (for NCCL: collective) teardown needs every peer here
-            try:
-                if clean and dist.is_initialized():
-                    import datetime
+            if not stuck:  # (a CUDA error from the synchronize still frees, as before)
+                met = False  # a clean (for NCCL: collective) teardown needs every peer here
+                try:
+                    if clean and dist.is_initialized():
+                        import datetime
 
-                    work = dist.barrier(group=self.group, async_op=True)
-                    work.wait(datetime.timedelta(seconds=float(self.config.timeout_s) + 30.0))
-                    met = True
-            finally:
-                self._comm.close(met)
+                        work = dist.barrier(group=self.group, async_op=True)
+                        work.wait(datetime.timedelta(
+                            seconds=float(self.config.timeout_s) + 30.0))
+                        met = True
+                finally:
+                    self._comm.close(met)
 
     def __del__(self):
         try:
