@@ -828,7 +828,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         if (ll) ok = collect_chunk_ll(L, a, t, v0, v1, lane, bad, route, umask, llf, deadline);
         else collect_chunk(L, a, t, v0, v1, lane, bad, route, pre_row && u == gw, x0);
       }
-      if (ll && !__syncthreads_and(ok ? 1 : 0)) return;
+      if (ll) {  // (ll is the same in every thread, so all of them meet this barrier or none)
+        if (!__syncthreads_and(ok ? 1 : 0)) return;
+      }
     }
   }
 
