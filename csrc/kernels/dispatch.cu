@@ -1555,6 +1555,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     }
   }
 
+  // A warp whose wait timed out returns from its row loop's helper and arrives here early:
+  // no other barrier may follow those loops, or it would meet this one with the wrong warps
   __syncthreads();
   trace_mark(L, kTrEnd, kTrMaxEnd);
   trace_flush(L, kPhaseDispatch, n);
