@@ -5,7 +5,9 @@
 #   scripts/gpu_suite.sh [full|smoke|custom]   (full: every GPU test; smoke: a quick subset;
 #                                               custom: PYTEST_K selects)
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
-#      --timeout=120), TEST_TIMEOUT (s), MPS=0 (no MPS daemon), SKIP_SAN=1, SAN_TIMEOUT,
+#      --timeout=120), TEST_TIMEOUT (s: the whole test run's budget, not a per-test limit;
+#      tests it leaves unstarted are listed as NOT RUN), MPS=0 (no MPS daemon), SKIP_SAN=1,
+#      SAN_TIMEOUT,
 #      SAN_K (the memcheck run's -k filter, default sanitizer: every test named so),
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
