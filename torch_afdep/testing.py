@@ -137,6 +137,17 @@ def _entry(rank, world_size, fn, args, backend, store_path, result_q, device_ids
         result_q.put((rank, False, traceback.format_exc()))
 
 
+def _report_early(rank: int, text: str, world_size: int, results: dict, failures: dict) -> None:
+    """A rank failed while others still run: its error to stderr now. The world's WorldError
+    comes only once every rank has ended, and a peer that never ends (a stuck kernel) would
+    keep the first error from being seen at all until spawn_world's timeout."""
+    running = sorted(set(range(world_size)) - set(results) - set(failures))
+    if running:
+        sys.stderr.write(f"spawn_world: rank {rank} failed while ranks {running} still run:\n"
+                         f"{text}\n")
+        sys.stderr.flush()
+
+
 def spawn_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -189,6 +200,7 @@ def spawn_world(
                         results[rank] = pickle.loads(payload)
                     else:
                         failures[rank] = payload
+                        _report_early(rank, payload, world_size, results, failures)
                     continue
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and r not in results and r not in failures]
@@ -198,6 +210,7 @@ def spawn_world(
                         for r in dead:
                             failures.setdefault(
                                 r, f"process exited with code {procs[r].exitcode}")
+                            _report_early(r, failures[r], world_size, results, failures)
                         continue
                 time.sleep(0.01)
         finally:

@@ -224,6 +224,29 @@ def test_buffer_construction_is_bounded_by_timeout_and_names_the_absent_rank():
     assert phase == "construct" and peer == 0
 
 
+def early_failure_body(rank, world):
+    """Rank 0 raises at once; rank 1 ends 4 s later (a peer still running)."""
+    if rank == 0:
+        raise ValueError("rank 0's early failure")
+    time.sleep(4.0)
+    return "late"
+
+
+def test_spawn_world_reports_a_failure_while_peers_still_run(capfd):
+    """spawn_world writes a rank's error to stderr as it comes, while a peer still runs (a
+    peer stuck for good would otherwise hide it until spawn_world's own timeout), and still
+    raises WorldError with it once every rank has ended."""
+    from torch_afdep.testing import WorldError
+
+    t0 = time.monotonic()
+    with pytest.raises(WorldError, match="rank 0's early failure"):
+        spawn_world(early_failure_body, 2, timeout=120)
+    assert time.monotonic() - t0 >= 4.0  # it waited for rank 1
+    err = capfd.readouterr().err
+    assert "spawn_world: rank 0 failed while ranks [1] still run:" in err, err
+    assert "ValueError: rank 0's early failure" in err, err
+
+
 def one_rank_bad_argument_body(rank, world):
     """Rank 1 passes a device it cannot use, twice in a row with a right call between on
     rank 0's side: every rank must raise at once (not after timeout_s) and the ranks' next
