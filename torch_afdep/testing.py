@@ -210,6 +210,7 @@ def spawn_world(
                         for r in dead:
                             failures.setdefault(
                                 r, f"process exited with code {procs[r].exitcode}")
+                        for r in dead:  # (once all are recorded: none of them counts as running)
                             _report_early(r, failures[r], world_size, results, failures)
                         continue
                 time.sleep(0.01)
