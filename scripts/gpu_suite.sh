@@ -7,8 +7,7 @@
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
 #      --timeout=120), TEST_TIMEOUT (s: the whole test run's budget, not a per-test limit;
 #      tests it leaves unstarted are listed as NOT RUN), MPS=0 (no MPS daemon), SKIP_SAN=1,
-#      SAN_TIMEOUT,
-#      SAN_K (the memcheck run's -k filter, default sanitizer: every test named so),
+#      SAN_TIMEOUT, SAN_K (the memcheck run's -k filter, default sanitizer: every test named so),
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
 #      TRACE_ALT_ENV (NAME=VALUE ...: the trace once more with these controls, trace-alt.json),

@@ -523,12 +523,11 @@ def test_token_layout_controls(layout, dtype_name):
             assert len(out["views"]) <= 1, (r, arm, out["views"])
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
-                             attention_form=None, ffn_form=None, ffn_receive_form=None,
-                             attention_send_form=None, graph_tokens=None, experts=EXPERTS):
-    """attention_form / ffn_form / ffn_receive_form / attention_send_form: a kernel form
+def run_token_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=False,
+                     attention_form=None, ffn_form=None, ffn_receive_form=None,
+                     attention_send_form=None, graph_tokens=None, experts=EXPERTS):
+    """The token layout's graph test (test_token_layout_graphs) with these settings.
+    attention_form / ffn_form / ffn_receive_form / attention_send_form: a kernel form
     (forms.h) that some collect of every Attention rank / some reply / some receive of every
     FFN rank / some dispatch of every Attention rank must have run (the test of a path then
     cannot pass on another). graph_tokens: the graphs' T per Attention index (cycled; default
@@ -567,12 +566,20 @@ def test_token_layout_graphs(layout, dtype_name, env=None, cap=CAP, zero_copy=Fa
     return res
 
 
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_token_layout_graphs(layout, dtype_name):
+    """The defaults: eager exchanges, then CUDA graphs replayed with checked rows, hostile ids
+    reported (run_token_graphs)."""
+    run_token_graphs(layout, dtype_name)
+
+
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("3A1F", "float8_e4m3fn")])
 def test_token_layout_graphs_previous_defaults(layout, dtype_name):
     """test_token_layout_graphs (whose defaults preload the 3-token Attention rank's rows in
     3A1F and load every reply row with its token index) with the four small-batch controls
     reverted: AFDEP_PDL, AFDEP_ONE_FENCE, AFDEP_EARLY_LOADS and AFDEP_LL_SMALL at 0."""
-    test_token_layout_graphs(layout, dtype_name, env=devices.PREVIOUS_DEFAULTS)
+    run_token_graphs(layout, dtype_name, env=devices.PREVIOUS_DEFAULTS)
 
 
 @pytest.mark.parametrize("layout,dtype_name", [
@@ -587,8 +594,8 @@ def test_token_layout_ll_small_graphs(layout, dtype_name):
     FFN rank the graphs collect zero-copy (the collect moves the reply units into the inbox row
     the caller's view reads), the eager exchanges with a copy. The other four layout x dtype
     cells run the same defaults in test_token_layout_early_collect_graphs."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4,
-                             zero_copy=True)
+    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1"}, cap=4,
+                     zero_copy=True)
 
 
 # AFDEP_RAW_META (experimental, off by default): a lone token's metadata units are its raw ids
@@ -609,9 +616,9 @@ def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
     (local ids, columns, weights, duplicates dropped), hostile ids reported, 100 checked
     replays; with AFDEP_SPREAD_CHUNKS (kRawRecv's spread instantiation), and with
     AFDEP_LONE_SPLIT, which the raw form takes precedence over."""
-    test_token_layout_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
-                             attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
-                             graph_tokens=[3, 1])
+    run_token_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
+                     attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
+                     graph_tokens=[3, 1])
 
 
 def test_token_layout_raw_meta_units_do_not_fit():
@@ -619,10 +626,10 @@ def test_token_layout_raw_meta_units_do_not_fit():
     metadata units (meta_ints = 2 + 3R rounded up to 4): 1A3F with E = 6, k = 4, so E_local = 2,
     R = 2 and 8 < 10 ints. Every CTA then claims as without the control: the forms stay
     kSmallSend and kSmallRecv (never the raw ones) in every exchange, and every row is exact."""
-    res = test_token_layout_graphs("1A3F", "bfloat16", env=RAW, cap=4, zero_copy=True,
-                                   attention_send_form="kSmallSend",
-                                   ffn_receive_form="kSmallRecv", graph_tokens=[3, 1],
-                                   experts=6)
+    res = run_token_graphs("1A3F", "bfloat16", env=RAW, cap=4, zero_copy=True,
+                           attention_send_form="kSmallSend",
+                           ffn_receive_form="kSmallRecv", graph_tokens=[3, 1],
+                           experts=6)
     for r, out in enumerate(res):
         assert not {"kRawSend", "kRawRecv"} & (out["forms"][0] | out["forms"][1]), (r, out)
 
@@ -630,9 +637,9 @@ def test_token_layout_raw_meta_units_do_not_fit():
 def test_token_layout_raw_meta_needs_lone_token():
     """AFDEP_RAW_META=1 with AFDEP_LONE_TOKEN=0: no sender CTA takes the lone path, so there is
     no raw metadata to send and the forms stay kSmallSend and kSmallRecv; every row exact."""
-    test_token_layout_graphs("1A1F", "bfloat16", env={**RAW, "AFDEP_LONE_TOKEN": "0"}, cap=4,
-                             zero_copy=True, attention_send_form="kSmallSend",
-                             ffn_receive_form="kSmallRecv", graph_tokens=[3])
+    run_token_graphs("1A1F", "bfloat16", env={**RAW, "AFDEP_LONE_TOKEN": "0"}, cap=4,
+                     zero_copy=True, attention_send_form="kSmallSend",
+                     ffn_receive_form="kSmallRecv", graph_tokens=[3])
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
@@ -642,9 +649,9 @@ def test_token_layout_lone_token_reverted_graphs(layout, dtype_name):
     holding one token (T = 1, and one of the two CTAs at T = 3) skips the shared-memory claim:
     warp 0 writes the metadata units while the other warps store the count and row units. With
     the control at 0 every CTA claims, meets a barrier, then copies (the units are the same)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                                      "AFDEP_LONE_TOKEN": "0"},
-                             cap=4, zero_copy=True)
+    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                              "AFDEP_LONE_TOKEN": "0"},
+                     cap=4, zero_copy=True)
 
 
 @pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
@@ -662,9 +669,9 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
     bucket CAP the FFN replies in the count form: the eager plan's T = 0 and 1 exchanges
     (<= SMS: kEarlyCollect) meet it, their lanes finding the completion count, fencing and
     reading the inbox rows; a graph's T = 3 (> SMS) collect runs kSmallRecv."""
-    test_token_layout_graphs(layout, dtype_name,
-                             env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=cap,
-                             zero_copy=True, attention_form="kEarlyCollect")
+    run_token_graphs(layout, dtype_name,
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1"}, cap=cap,
+                     zero_copy=True, attention_form="kEarlyCollect")
 
 
 @pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
@@ -677,12 +684,12 @@ def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
     receive's (kSmallRecv, placing rows from their units), the reply's (kSmallSend) and the
     collect's (kEarlyCollect, kSmallRecv) chunks of a row taken by one warp on each of several
     CTAs; the same forms, every row exact."""
-    test_token_layout_graphs(layout, dtype_name,
-                             env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1",
-                                  "AFDEP_SPREAD_CHUNKS": "1"}, cap=cap,
-                             zero_copy=True, attention_form="kEarlyCollect",
-                             ffn_form="kSmallSend" if cap == 4 else None,
-                             ffn_receive_form="kSmallRecv" if cap == 4 else None)
+    run_token_graphs(layout, dtype_name,
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1",
+                          "AFDEP_SPREAD_CHUNKS": "1"}, cap=cap,
+                     zero_copy=True, attention_form="kEarlyCollect",
+                     ffn_form="kSmallSend" if cap == 4 else None,
+                     ffn_receive_form="kSmallRecv" if cap == 4 else None)
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
@@ -693,10 +700,10 @@ def test_token_layout_lone_split_graphs(layout, dtype_name):
     token runs kLoneSplitSend's lone path, its row's units stored by warps 1-15 while warp 0
     claims and stores none; every row exact, hostile ids reported, 100 checked replays (the
     eager plan's T = 3 and 4 put two tokens on a channel: kLoneSplitSend's other path)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                                      "AFDEP_LONE_SPLIT": "1"},
-                             cap=4, zero_copy=True, attention_send_form="kLoneSplitSend",
-                             graph_tokens=[2, 1])
+    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                              "AFDEP_LONE_SPLIT": "1"},
+                     cap=4, zero_copy=True, attention_send_form="kLoneSplitSend",
+                     graph_tokens=[2, 1])
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
@@ -705,9 +712,9 @@ def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
     """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units
     through the generic kernels (every other test of the flagged units runs the small kernel
     forms, the default)."""
-    test_token_layout_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                                      "AFDEP_SMALL_KERNELS": "0"},
-                             cap=4, zero_copy=True)
+    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
+                                              "AFDEP_SMALL_KERNELS": "0"},
+                     cap=4, zero_copy=True)
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
