@@ -384,17 +384,11 @@ class CudaTransport(Transport):
         self._token_x = self._token_scales = None
         bound = 2.0 * float(self.config.timeout_s) + CLOSE_MARGIN_S  # a timed-out phase, then
         # the next one (which finds the error block's timeout and leaves)
-        stuck = False
+        finished = True  # (a CUDA error from the synchronize still frees, as before)
         try:
-            if not wait_bounded(lambda: torch.cuda.synchronize(self.device), bound):
-                stuck = True
-                raise AfdepTimeoutError(
-                    f"rank {self.rank}: close() waited more than {bound:.0f} s for this "
-                    "rank's kernels to finish; every wait in them ends after timeout_s, so one "
-                    "is stuck. Its memory stays mapped (the kernel may still write it)",
-                    phase="close", rank=self.rank)
+            finished = wait_bounded(lambda: torch.cuda.synchronize(self.device), bound)
         finally:
-            if not stuck:  # (a CUDA error from the synchronize still frees, as before)
+            if finished:
                 met = False  # a clean (for NCCL: collective) teardown needs every peer here
                 try:
                     if clean and dist.is_initialized():
@@ -406,6 +400,12 @@ class CudaTransport(Transport):
                         met = True
                 finally:
                     self._comm.close(met)
+        if not finished:
+            raise AfdepTimeoutError(
+                f"rank {self.rank}: close() waited more than {bound:.0f} s for this rank's "
+                "kernels to finish; every wait in them ends after timeout_s, so one is stuck. "
+                "Its memory stays mapped (the kernel may still write it)",
+                phase="close", rank=self.rank)
 
     def __del__(self):
         try:
