@@ -10,7 +10,7 @@ from torch_afdep import controls, env
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
     # experimental, off by default until an A/B shows them faster with no slow processes
-    assert experimental == ["AFDEP_EARLY_EXPAND", "AFDEP_SPREAD_CHUNKS", "AFDEP_SPEC_REPLY",
+    assert experimental == ["AFDEP_EARLY_EXPAND", "AFDEP_SPEC_REPLY",
                             "AFDEP_LONE_SPLIT", "AFDEP_RAW_META"]
     assert controls.flags({}) == controls.DEFAULT
     assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(

@@ -163,15 +163,14 @@ _CONTROLS = (
              "for the row table (in which a warp issues its two tokens' loads together); "
              "the table, its scan and the offsets then run while those loads are in flight; "
              "the same outputs; 0 = the table, the offsets, then each chunk's loads"),
-    _control("AFDEP_SPREAD_CHUNKS", 22, 0,
-             "experimental, off by default (not yet run on a GPU): the small-T forms that "
-             "move a small row's chunks (the reply's kSmallSend and kUnitReply, the collect's "
-             "kSmallRecv and kEarlyCollect, the token layout's receive of flagged units, "
-             "kSmallRecv, placing its rows) give them to one warp on each of several CTAs "
-             "instead of to one CTA's warps, so that a row's loads and stores spread over "
-             "up to the kernel's grid of CTAs (one per SM by default; at T = 1 the expert "
-             "layout's reply loads 8 rows, 64 KB); the same outputs; 0 = unit u on warp u % 16 "
-             "of CTA u / 16"),
+    _control("AFDEP_SPREAD_CHUNKS", 22, 1,
+             "the small-T forms that move a small row's chunks (the reply's kSmallSend and "
+             "kUnitReply, the collect's kSmallRecv and kEarlyCollect, the token layout's "
+             "receive of flagged units, kSmallRecv, placing its rows) give them to one warp "
+             "on each of several CTAs instead of to one CTA's warps, so that a row's loads "
+             "and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
+             "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
+             "unit u on warp u % 16 of CTA u / 16"),
     _control("AFDEP_SPEC_REPLY", 23, 0,
              "experimental, off by default (not yet run on a GPU): the expert layout's reply "
              "of flagged units where the rows are few in all (A * bucket * R rows whose chunk "

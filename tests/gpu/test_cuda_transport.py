@@ -161,7 +161,7 @@ def test_zero_copy_collect(env):
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS", "AFDEP_PDL", "AFDEP_ONE_FENCE", "AFDEP_EARLY_LOADS",
-          "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS"]
+          "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS", "AFDEP_SPREAD_CHUNKS"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
 # test_stream_expansion_reverted_eager reverts it at T = 2048
 # test_each_control_reverted_alone's (cap, hidden, dtype) per layout: the controls' own eager
@@ -474,8 +474,10 @@ def test_early_expand_sanitizer_small():
     assert res[0]["forms"][0] == {"kUnitExpEarly", "kCountRecvLL"}, res[0]["forms"]  # FFN
 
 
-# AFDEP_SPREAD_CHUNKS (experimental, off by default): the small combine forms give a row's
-# chunks to one warp on each of several CTAs; the same forms (kUnitReply, kSmallRecv)
+# AFDEP_SPREAD_CHUNKS (on by default; set here all the same, and
+# test_each_control_reverted_alone and the graph replays below revert it): the small combine
+# forms give a row's chunks to one warp on each of several CTAs; the same forms (kUnitReply,
+# kSmallRecv)
 SPREAD = {"AFDEP_SPREAD_CHUNKS": "1"}
 
 
@@ -484,7 +486,7 @@ SPREAD = {"AFDEP_SPREAD_CHUNKS": "1"}
     ("3A1F", "float8_e4m3fn", 0), ("1A3F", "bfloat16", 0), ("1A1F", "bfloat16", 5),
     ("2A2F", "bfloat16", 1)])
 def test_spread_chunks_eager(layout, dtype, local_sms):
-    """AFDEP_SPREAD_CHUNKS=1: every exchange of llx_plan exact on every rank, its small-bucket
+    """AFDEP_SPREAD_CHUNKS=1 (the default): every exchange of llx_plan exact on every rank, its small-bucket
     replies in kUnitReply and its collects in kSmallRecv with the chunks spread; on the
     automatic local grid (one CTA per SM) and on grids of 5 and 1 CTAs (fewer CTAs than a
     row's chunks: a CTA takes several, G = 1 the default mapping)."""
@@ -497,13 +499,16 @@ def test_spread_chunks_eager(layout, dtype, local_sms):
         assert want in st["forms"][1], (r, st["forms"])
 
 
+@pytest.mark.parametrize("value", ["1", "0"], ids=["on", "reverted"])
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
-def test_spread_chunks_graph_replays(dtype, bucket, tokens):
-    """AFDEP_SPREAD_CHUNKS=1, 100 checked graph replays around the reply units' edge (buckets 8
-    and 48: kUnitReply, spread; 49: kCountSend, not spread); every collect in kSmallRecv."""
+def test_spread_chunks_graph_replays(dtype, bucket, tokens, value):
+    """AFDEP_SPREAD_CHUNKS=1 (the default) and 0, 100 checked graph replays around the reply
+    units' edge (buckets 8 and 48: kUnitReply, spread with the control on; 49: kCountSend,
+    never spread); every collect in kSmallRecv."""
     # the reply's units up to bucket 48 (2 x 24 channels), the count form above
-    graph_replays_1a1f(dtype, bucket, tokens, SPREAD, 9700,
+    graph_replays_1a1f(dtype, bucket, tokens, {"AFDEP_SPREAD_CHUNKS": value},
+                       9700 + int(value),
                        forms=((None, "kUnitReply" if bucket <= 48 else "kCountSend"),
                               (None, "kSmallRecv")))
 

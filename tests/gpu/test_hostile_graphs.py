@@ -120,7 +120,7 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread",
+@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread_off",
                                  "lone_split"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
@@ -129,7 +129,8 @@ def test_units_hostile_graph_replays(layout, arm):
     defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
     count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
     early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly;
-    spread: AFDEP_SPREAD_CHUNKS=1 (experimental), the reply's and collect's chunks spread;
+    spread_off: AFDEP_SPREAD_CHUNKS=0, the reply's and collect's chunks on one CTA's warps
+    (spread over the CTAs in the other arms);
     lone_split: AFDEP_LONE_SPLIT=1 (experimental), the dispatch in kLoneSplitSend (warp 0
     claims, checking the ids, and stores none of the row). The
     collect takes the units with a barrier behind the start units in every arm (kSmallRecv:
@@ -141,7 +142,7 @@ def test_units_hostile_graph_replays(layout, arm):
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
            "early_expand": {"AFDEP_EARLY_EXPAND": "1"},
-           "spread": {"AFDEP_SPREAD_CHUNKS": "1"},
+           "spread_off": {"AFDEP_SPREAD_CHUNKS": "0"},
            "lone_split": {"AFDEP_LONE_SPLIT": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
@@ -153,7 +154,7 @@ def test_units_hostile_graph_replays(layout, arm):
         want = {"ffn": receive if units else "kCountRecv",
                 "attention": send if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
-        # and the reply in units (bucket 48 <= 2 x 48 channels), spread in the spread arm
+        # and the reply in units (bucket 48 <= 2 x 48 channels), spread but in spread_off
         assert s["forms"][1] == {"kSmallRecv" if s["role"] == "attention" else "kUnitReply"}, \
             s["forms"]
     for s in _att(stats):

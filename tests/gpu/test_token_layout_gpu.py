@@ -605,17 +605,18 @@ RAW = {"AFDEP_LL_SMALL": "1", "AFDEP_RAW_META": "1"}
 
 @pytest.mark.parametrize("layout,dtype_name,extra", [
     ("1A1F", "bfloat16", {}), ("2A2F", "float8_e4m3fn", {}), ("3A1F", "bfloat16", {}),
-    ("1A3F", "bfloat16", {}), ("1A1F", "float8_e4m3fn", {"AFDEP_SPREAD_CHUNKS": "1"}),
+    ("1A3F", "bfloat16", {}), ("1A1F", "float8_e4m3fn", {"AFDEP_SPREAD_CHUNKS": "0"}),
     ("2A2F", "bfloat16", {"AFDEP_LONE_SPLIT": "1"})],
-    ids=["1A1F", "2A2F", "3A1F", "1A3F", "1A1F-spread", "2A2F-lone_split"])
+    ids=["1A1F", "2A2F", "3A1F", "1A3F", "1A1F-spread_off", "2A2F-lone_split"])
 def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
     """test_token_layout_ll_small_graphs with AFDEP_RAW_META=1 (experimental), the graphs at
     T = 3 and 1 over the 2 channels: a CTA of one token (T = 1; the second CTA at T = 3, whose
     token has a duplicated id) sends its raw ids and weights, the other CTA at T = 3 its two
     tokens' entries, so one receive takes both kinds of region; every FFN rank's rows exact
     (local ids, columns, weights, duplicates dropped), hostile ids reported, 100 checked
-    replays; with AFDEP_SPREAD_CHUNKS (kRawRecv's spread instantiation), and with
-    AFDEP_LONE_SPLIT, which the raw form takes precedence over."""
+    replays (kRawRecv's spread instantiation, AFDEP_SPREAD_CHUNKS being on); with that control
+    at 0 (its other instantiation), and with AFDEP_LONE_SPLIT, which the raw form takes
+    precedence over."""
     run_token_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
                      attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
                      graph_tokens=[3, 1])
@@ -674,19 +675,23 @@ def test_token_layout_early_collect_graphs(layout, dtype_name, cap):
                      zero_copy=True, attention_form="kEarlyCollect")
 
 
-@pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
-                                                   ("2A2F", "float8_e4m3fn", 4),
-                                                   ("1A3F", "bfloat16", 4),
-                                                   ("3A1F", "bfloat16", CAP)],
-                         ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form"])
-def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap):
-    """test_token_layout_early_collect_graphs with AFDEP_SPREAD_CHUNKS=1 (experimental): the
-    receive's (kSmallRecv, placing rows from their units), the reply's (kSmallSend) and the
-    collect's (kEarlyCollect, kSmallRecv) chunks of a row taken by one warp on each of several
-    CTAs; the same forms, every row exact."""
+@pytest.mark.parametrize("layout,dtype_name,cap,value", [("1A1F", "bfloat16", 4, "1"),
+                                                         ("2A2F", "float8_e4m3fn", 4, "1"),
+                                                         ("1A3F", "bfloat16", 4, "1"),
+                                                         ("3A1F", "bfloat16", CAP, "1"),
+                                                         ("1A1F", "bfloat16", 4, "0"),
+                                                         ("2A2F", "float8_e4m3fn", 4, "0")],
+                         ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form", "1A1F-reverted",
+                              "2A2F-reverted"])
+def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap, value):
+    """test_token_layout_early_collect_graphs with AFDEP_SPREAD_CHUNKS=1 (the default; set here
+    all the same) and reverted: spread, the receive's (kSmallRecv, placing rows from their
+    units), the reply's (kSmallSend) and the collect's (kEarlyCollect, kSmallRecv) chunks of a
+    row are taken by one warp on each of several CTAs; reverted, by one CTA's warps; the same
+    forms, every row exact."""
     run_token_graphs(layout, dtype_name,
                      env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_COLLECT": "1",
-                          "AFDEP_SPREAD_CHUNKS": "1"}, cap=cap,
+                          "AFDEP_SPREAD_CHUNKS": value}, cap=cap,
                      zero_copy=True, attention_form="kEarlyCollect",
                      ffn_form="kSmallSend" if cap == 4 else None,
                      ffn_receive_form="kSmallRecv" if cap == 4 else None)

@@ -870,17 +870,17 @@ def test_cpu_smoke_afdep_env_reaches_the_afdep_arm_only(tmp_path):
     children's own parse of the environment); the symmetric arm stays fully reverted."""
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "1", "--replays", "2",
                  "--warmup", "1", "--arms", "afdep", "symmetric", "--hidden", "256",
-                 "--afdep-env", "AFDEP_SPREAD_CHUNKS=1", "--kernel-timeout", "10",
+                 "--afdep-env", "AFDEP_RAW_META=1", "--kernel-timeout", "10",
                  "--out-dir", str(tmp_path), "--name", "ab", "--receive-layouts", "experts",
                  "--no-plot", timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "ab.json"))
-    assert d["args"]["afdep_env"] == ["AFDEP_SPREAD_CHUNKS=1"]
+    assert d["args"]["afdep_env"] == ["AFDEP_RAW_META=1"]
     flags = {w["arm"]: w["afdep_flags"] for w in d["worlds"]}
-    assert flags == {"afdep": env.DEFAULT_FLAGS | env.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit,
+    assert flags == {"afdep": env.DEFAULT_FLAGS | env.CONTROLS["AFDEP_RAW_META"].bit,
                      "symmetric": 0}
     md = open(tmp_path / "ab.md").read()
-    assert "- afdep arms: transport ipc, afdep arm with AFDEP_SPREAD_CHUNKS=1" in md
+    assert "- afdep arms: transport ipc, afdep arm with AFDEP_RAW_META=1" in md
 
 
 def test_cpu_smoke_alt_arm_is_the_afdep_arm_with_one_change(tmp_path):
@@ -889,17 +889,17 @@ def test_cpu_smoke_alt_arm_is_the_afdep_arm_with_one_change(tmp_path):
     'afdep_alt vs afdep' comparison in every cell."""
     p = _run_cli("--cpu-smoke", "--quick", "--tokens", "1", "--repeats", "2", "--replays", "2",
                  "--warmup", "1", "--arms", "afdep", "afdep_alt", "--hidden", "256",
-                 "--afdep-env", "AFDEP_PDL=0", "--alt-env", "AFDEP_SPREAD_CHUNKS=1",
+                 "--afdep-env", "AFDEP_PDL=0", "--alt-env", "AFDEP_RAW_META=1",
                  "--kernel-timeout", "10", "--out-dir", str(tmp_path), "--name", "alt",
                  "--receive-layouts", "tokens", "--no-plot", timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.load(open(tmp_path / "alt.json"))
-    assert d["args"]["alt_env"] == ["AFDEP_SPREAD_CHUNKS=1"]
+    assert d["args"]["alt_env"] == ["AFDEP_RAW_META=1"]
     base = env.DEFAULT_FLAGS & ~env.CONTROLS["AFDEP_PDL"].bit
     flags = {(w["arm"], w["repeat"]): w["afdep_flags"] for w in d["worlds"]}
     assert flags == {("afdep", 0): base, ("afdep", 1): base,
-                     ("afdep_alt", 0): base | env.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit,
-                     ("afdep_alt", 1): base | env.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit}
+                     ("afdep_alt", 0): base | env.CONTROLS["AFDEP_RAW_META"].bit,
+                     ("afdep_alt", 1): base | env.CONTROLS["AFDEP_RAW_META"].bit}
     order = [w["arm"] for w in d["worlds"]]
     assert order[:2] != order[2:], order  # the arm order rotates over the repeats
     rows = {r["arm"]: r for r in d["results"]}
@@ -908,7 +908,7 @@ def test_cpu_smoke_alt_arm_is_the_afdep_arm_with_one_change(tmp_path):
     comps = [c for c in d["comparisons"] if (c["arm"], c["baseline"]) == ("afdep_alt", "afdep")]
     assert len(comps) == 1 and comps[0]["pairs"] == 2, comps
     md = open(tmp_path / "alt.md").read()
-    assert "afdep_alt arm: the afdep arm with AFDEP_SPREAD_CHUNKS=1" in md
+    assert "afdep_alt arm: the afdep arm with AFDEP_RAW_META=1" in md
     assert "| afdep_alt vs afdep |" in md
 
 

@@ -242,12 +242,12 @@ def test_symmetric_and_reverted_controls_are_reported(clean_env, capsys):
         "value": "0", "default": 1, "effective": 0,
         "meaning": controls.CONTROLS["AFDEP_SINGLE_FFN"].description}
     assert env["control_mode"] == "mixed: AFDEP_SINGLE_FFN=0 (defaults otherwise)"
-    clean_env.setenv("AFDEP_SPREAD_CHUNKS", "1")
+    clean_env.setenv("AFDEP_RAW_META", "1")
     rc, d = run_json(capsys)
     assert d["environment"]["control_mode"] == (
-        "mixed: AFDEP_SINGLE_FFN=0, AFDEP_SPREAD_CHUNKS=1 (defaults otherwise)")
+        "mixed: AFDEP_SINGLE_FFN=0, AFDEP_RAW_META=1 (defaults otherwise)")
     clean_env.delenv("AFDEP_SINGLE_FFN")
-    clean_env.delenv("AFDEP_SPREAD_CHUNKS")
+    clean_env.delenv("AFDEP_RAW_META")
     rc, d = run_json(capsys)
     assert d["environment"]["control_mode"] == "role-aware"
     clean_env.setenv("AFDEP_SYMMETRIC", "1")
