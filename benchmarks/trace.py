@@ -80,10 +80,9 @@ STAGES = [
      lambda da, ca, df, cf: _gap(da, MASKED, da, LOADED), False),
     ("      A CTA0: route mask known -> tokens claimed",
      lambda da, ca, df, cf: _gap(da, CLAIMED, da, MASKED), False),
-    # (AFDEP_LONE_SPLIT: a lone token's "payload written" is the latest warp's, warp 0's being
-    # its claim: 0 when the claim was last. AFDEP_RAW_META: warp 0 stamps "claimed" after its
-    # raw metadata, its row vectors and the route, so "loads -> claimed" holds its copy and
-    # this stage is about 0; no "route mask known" stamp)
+    # (AFDEP_RAW_META: warp 0 stamps "claimed" after its raw metadata, its row vectors and the
+    # route, so "loads -> claimed" holds its copy and this stage is about 0; no "route mask
+    # known" stamp)
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),
@@ -113,8 +112,7 @@ STAGES = [
     # its first 8 rows' vectors (the LOADED point above; only a token with 8 or more rows
     # stamps it). At small T (the one-pass reply: one item per warp) that is its first item;
     # on the generic path at large T thread 0 walks many items and the points hold its last,
-    # so these two stages mean something at small T only (AFDEP_SPEC_REPLY's kSpecReply
-    # issues both loads together: the second stage is then about 0)
+    # so these two stages mean something at small T only
     ("    F CTA0: start -> receipt loaded",
      lambda da, ca, df, cf: _gap(cf, MASKED, cf, START), False),
     ("    F CTA0: receipt loaded -> first rows loaded",

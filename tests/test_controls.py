@@ -10,16 +10,14 @@ from torch_afdep import controls, env
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
     # experimental, off by default until an A/B shows them faster with no slow processes
-    assert experimental == ["AFDEP_EARLY_EXPAND", "AFDEP_SPEC_REPLY",
-                            "AFDEP_LONE_SPLIT", "AFDEP_RAW_META"]
+    assert experimental == ["AFDEP_RAW_META"]
     assert controls.flags({}) == controls.DEFAULT
     assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(
         controls.CONTROLS[n].bit for n in experimental)
     assert controls.flags({"AFDEP_SYMMETRIC": "1"}) == 0
     assert controls.flags({"AFDEP_SYMMETRIC": "1", "AFDEP_LL_EXPERTS": "1",
-                           "AFDEP_EARLY_COLLECT": "1", "AFDEP_EARLY_EXPAND": "1",
-                           "AFDEP_SPREAD_CHUNKS": "1", "AFDEP_SPEC_REPLY": "1",
-                           "AFDEP_LONE_SPLIT": "1", "AFDEP_RAW_META": "1"}) == 0
+                           "AFDEP_EARLY_COLLECT": "1", "AFDEP_SPREAD_CHUNKS": "1",
+                           "AFDEP_RAW_META": "1"}) == 0
     assert controls.flags({"AFDEP_SYMMETRIC": "0"}) == controls.DEFAULT
     assert controls.flags({n: "1" for n in experimental}) == controls.ALL_ROLE_AWARE
     bits = [c.bit for c in controls.CONTROLS.values()]

@@ -155,14 +155,6 @@ _CONTROLS = (
              "AFDEP_EARLY_LOADS, AFDEP_SMALL_KERNELS and the four directional controls; 0 = "
              "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
              "the rows"),
-    _control("AFDEP_EARLY_EXPAND", 21, 0,
-             "experimental, off by default (not yet run on a GPU): the expert layout's receive "
-             "of flagged units (AFDEP_LL_EXPERTS) computes the token prefix first, so that "
-             "each warp issues its first row chunk's loads (the token's metadata units and "
-             "the chunk's first vector) before the pass that reads every token's metadata "
-             "for the row table (in which a warp issues its two tokens' loads together); "
-             "the table, its scan and the offsets then run while those loads are in flight; "
-             "the same outputs; 0 = the table, the offsets, then each chunk's loads"),
     _control("AFDEP_SPREAD_CHUNKS", 22, 1,
              "the small-T forms that move a small row's chunks (the reply's kSmallSend and "
              "kUnitReply, the collect's kSmallRecv and kEarlyCollect, the token layout's "
@@ -171,25 +163,6 @@ _CONTROLS = (
              "and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
-    _control("AFDEP_SPEC_REPLY", 23, 0,
-             "experimental, off by default (not yet run on a GPU): the expert layout's reply "
-             "of flagged units where the rows are few in all (A * bucket * R rows whose chunk "
-             "a warp can stage, e.g. 1A1F at bucket 1) runs kSpecReply: each warp loads its "
-             "chunk of every row together with its receipt slot's words instead of after them "
-             "(every row an entry "
-             "may name lies in those rows), stages them in shared memory, and adds the rows "
-             "its entries name in entry order: one load latency instead of two, the same "
-             "outputs bit for bit; 0 = the receipt, then the rows it names (kUnitReply)"),
-    _control("AFDEP_LONE_SPLIT", 24, 0,
-             "experimental, off by default (one H100, b2c2393: its graph and trace tests "
-             "pass; T = 1 within 1% of 0): with AFDEP_LONE_TOKEN, a "
-             "sender CTA of one token runs kLoneSplitSend: warp 0, which claims the token "
-             "(route, id checks, metadata units), loads and stores none of its row; the "
-             "other 15 warps load the row at the kernel's start (two vectors for some lanes) "
-             "and store all its units while warp 0 claims, so that no row store waits "
-             "behind the claim (rows of at most 960 16-byte vectors and 480 scales, e.g. "
-             "H7168 BF16; larger rows keep kSmallSend's mapping); the same units; 0 = thread "
-             "i holds vectors i and i + 512, warp 0 storing its own after its claim"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

@@ -124,86 +124,6 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
            nvalid);
 }
 
-// kSpecReply (F_SPEC_REPLY, spec_reply_fits): reply_chunk for few rows in all. Every row a
-// receipt entry may name lies in rows [0, A * bucket * R) (reply_chunk takes no other), so
-// the warp loads its chunk [v0, v1) of all of them together with slot q's receipt words,
-// instead of after them, and stages them in shared memory (`stage`, one vector a lane each:
-// the row index is known only once the receipt lands, and registers cannot be indexed by it).
-// It then adds the rows the receipt names in entry order, the same fp32 adds as reply_chunk
-// (one row copied as is, none giving zeros), into the token's row units at its source. Rows
-// no entry names (stale, or never written this exchange) are loaded and left alone.
-__device__ void reply_spec_chunk(const Layout& L, const CombineArgs& a, int q, int ai, int v0,
-                                 int v1, bool first, int lane, uint32_t llf,
-                                 int4 (*stage)[32]) {
-  const int nv = L.H / 8, R = L.R;
-  const int rows_cap = L.A * a.bucket * R;
-  const bool two = v1 - v0 > 32;  // vectors a lane: 1 or 2 (spec_reply_fits)
-  const int4* rows = static_cast<const int4*>(a.rows);
-  const int tok = a.token_index[q];
-  int row = -1;
-  if (lane < R) row = a.token_rows[(size_t)q * R + lane];
-  const int count = a.num_tokens[ai];
-  int4 v[kSpecVecs];
-#pragma unroll
-  for (int m = 0; m < kSpecVecs; ++m) {  // m = k * (1 + two) + vector: row k's
-    const int k = two ? m >> 1 : m, i = v0 + lane + (two ? 32 * (m & 1) : 0);
-    if (k < rows_cap && i < v1) v[m] = ld_nc_v4(rows + (size_t)k * nv + i);
-  }
-  // traced only, thread 0's first chunk: both stamps wait for loads issued together (the
-  // reply's two stages of trace.py coincide here)
-  const bool mark = L.trace != nullptr && threadIdx.x == 0 && first;
-  if (mark && ((uint32_t)tok ^ (uint32_t)row ^ (uint32_t)count) != 0x80000001u)
-    trace_mark(L, kTrMasked, -1);
-  if (mark && (uint32_t)v[0].x != 0x80000001u) trace_mark(L, kTrLoaded, -1);
-  const int slot = q - ai * a.bucket;
-  if (slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
-  if (tok < 0 || tok >= L.llc_tokens) {  // units: tok < T <= bucket <= llc_tokens
-    if (lane == 0 && first) report_route(L.err, tok, kRouteOverflow);
-    return;
-  }
-  const bool ok = lane < R && row >= 0 && row < rows_cap;
-  const unsigned b = __ballot_sync(kFull, ok);
-  const int nvalid = __popc(b);
-#pragma unroll
-  for (int m = 0; m < kSpecVecs; ++m)
-    if ((two ? m >> 1 : m) < rows_cap) stage[m][lane] = v[m];
-  __syncwarp();
-  float acc0[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float acc1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int4 one0 = make_int4(0, 0, 0, 0), one1 = one0;
-  // entry order, reply_chunk's (the valid lanes in lane order), 8 entries' loads at a time
-#pragma unroll 1
-  for (int j0 = 0; j0 < R; j0 += 8) {  // R <= 16 (spec_reply_fits: rows_cap <= kSpecVecs)
-    int4 x0[8], x1[8];
-    bool use[8];
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const int j = j0 + t;
-      const int k = __shfl_sync(kFull, row, j & 31);
-      use[t] = j < R && ((b >> j) & 1u);
-      const int m = two ? 2 * k : k;
-      if (use[t]) x0[t] = stage[m][lane];
-      if (use[t] && two) x1[t] = stage[m + 1][lane];
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      if (!use[t]) continue;
-      if (nvalid == 1) {
-        one0 = x0[t];
-        if (two) one1 = x1[t];
-      } else {
-        add_bf16x8(acc0, x0[t]);
-        if (two) add_bf16x8(acc1, x1[t]);
-      }
-    }
-  }
-  // (one chunk a warp, kSpecReply's mapping: the stage is not reused)
-  uint64_t* dstu = llc_row(L, attn_window(L, ai), L.my_index, tok) + 4 * (size_t)(v0 + lane);
-  if (v0 + lane < v1) st_ll_vec(dstu, nvalid == 1 ? one0 : pack_bf16x8(acc0), llf);
-  if (two && v0 + lane + 32 < v1)  // the lane's second vector: 32 vectors of 4 units on
-    st_ll_vec(dstu + 128, nvalid == 1 ? one1 : pack_bf16x8(acc1), llf);
-}
-
 // FFN, token layout: row i of rows [A*rps, H] is already the token's reply (the caller
 // summed its experts); copy it as is into its source's inbox at the token's index. Rows are
 // split into 2^lg chunks of cv vectors (sized by the tokens received, not by the rows: most
@@ -595,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   constexpr bool kSmall = kForm != kGeneric;
   // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
   // layout's (kUnitReply); the collect's units (kSmallRecv)
-  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply || kForm == kSpecReply;
+  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply;
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
@@ -631,8 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     if (kSmall || (a.real_send && (fl & F_EARLY_LOADS) && 4 * units <= nw)) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       // every row (or slot) gets its own warps: about one unit per warp (chunk_log2)
-      const int lg = kForm == kSpecReply ? spec_chunk_log2(units, (int)gridDim.x, nv)
-                                         : chunk_log2(units, nw, nv);
+      const int lg = chunk_log2(units, nw, nv);
       const int nch = 1 << lg;
       const int cv = (nv + nch - 1) >> lg;
       // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
@@ -646,9 +565,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       // The start units, by the grid's last CTA (on CTA 0 the mismatch load and the stores sat
       // in front of the first row's first chunk)
-      if (kSpread || kForm == kSpecReply) {
-        // by its last warp (gw = nw - 1: a chunk only when units * nch = nw; never in
-        // kSpecReply), which did not fill s_ab's entries and meets no barrier before these
+      if (kSpread) {
+        // by its last warp (gw = nw - 1: a chunk only when units * nch = nw), which did not
+        // fill s_ab's entries and meets no barrier before these
         for (int ai = lane; llf && c == (int)gridDim.x - 1 && warp == kWarps - 1 && ai < L.A;
              ai += 32) {
           const int sb = L.mismatch[ai];
@@ -660,18 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
         }
       }
-      if (kForm == kSpecReply) {
-        // unit u on warp u / G of CTA u % G: at most kSpecWarps warps of a CTA (the host's
-        // spec_reply_fits), each with its own stage; no barrier in front (no s_ab read)
-        __shared__ int4 s_spec[kSpecWarps][kSpecVecs][32];
-        const int u = warp * (int)gridDim.x + c;
-        if (warp < kSpecWarps && u < units * nch) {
-          const int h = u & (nch - 1), q = u >> lg;
-          const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
-          if (v1 > v0)
-            reply_spec_chunk(L, a, q, ai, v0, v1, h == 0, lane, llf, s_spec[warp]);
-        }
-      } else if (kForm == kSmallSend || (!kSmall && a.tokens)) {
+      if (kForm == kSmallSend || (!kSmall && a.tokens)) {
         reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();
@@ -869,10 +777,7 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   // expert layout: the reply's one-pass path (4 warps per receipt slot; its rows as units
   // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
   if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps)
-    return !(L.llc && a.bucket <= L.llc_tokens) ? kCountSend
-           : (L.flags & F_SPEC_REPLY) && spec_reply_fits(L.A * a.bucket, L.R, L.H, grid)
-               ? kSpecReply
-               : kUnitReply;
+    return L.llc && a.bucket <= L.llc_tokens ? kUnitReply : kCountSend;
   return recv ? kCountRecv : kGeneric;
 }
 
@@ -902,8 +807,6 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     case kEarlyCollect:
       return launch_spreadable<kEarlyCollect>(spread, L, a, grid, stream);
-    case kSpecReply:
-      return launch_transport_kernel(combine_kernel<kSpecReply>, L, a, grid, 0, stream);
     default:
       return launch_transport_kernel(combine_kernel<kGeneric>, L, a, grid, 0, stream);
   }

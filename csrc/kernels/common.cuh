@@ -454,16 +454,6 @@ __device__ __forceinline__ void trace_mark(const Layout& L, int pt, int max_pt) 
   if (max_pt >= 0) s[max_pt] = t;
 }
 
-// Called by every warp (lane 0 stamps): `pt` becomes the latest of the CTA's warps' times, for
-// a step that several warps end on their own (no barrier in front); every stamp of `pt` in
-// that launch must come through here, thread 0's included, and a barrier must separate
-// trace_begin's zeroing from the first of them.
-__device__ __forceinline__ void trace_mark_latest(const Layout& L, int pt) {
-  if (L.trace == nullptr || (threadIdx.x & 31) != 0) return;
-  atomicMax(reinterpret_cast<unsigned long long*>(trace_stamps() + pt),
-            (unsigned long long)global_timer_ns());
-}
-
 // Last thing before end_launch (thread 0): CTA 0's stamps into the ring slot of exchange n
 // of `phase`; every CTA folds its latest-over-CTAs points in with atomicMax.
 __device__ __forceinline__ void trace_flush(const Layout& L, int phase, uint64_t n) {

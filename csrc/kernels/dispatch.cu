@@ -185,25 +185,12 @@ struct Preload {
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
   bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
-  bool split;        // F_LONE_SPLIT (lone only): the row on warps 1-15 (split_fits), none on 0
 };
 
-// F_LONE_SPLIT (kLoneSplitSend): a lone token's row and scales go to the threads past warp 0,
-// which claims meanwhile, so that no row unit goes out behind the claim: vector i of the row
-// on thread 32 + i % (kThreads - 32), in its register i / (kThreads - 32); scale q on thread
-// 32 + q. Where they do not fit (rows over 960 vectors, e.g. H8192 BF16) every thread holds
-// its vectors as without the control.
-constexpr int kSplitThreads = kThreads - 32;
-__host__ __device__ __forceinline__ bool split_fits(int nv, int scale_cols) {
-  return nv <= kPreVecs * kSplitThreads && scale_cols <= kSplitThreads;
-}
-
 // units: this launch sends flagged units (F_LL_SMALL)
-// kSplit (kLoneSplitSend, F_LONE_SPLIT): a lone token's row on the threads past warp 0
-template <bool kSplit = false>
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
                                                Preload& p, bool units) {
-  p.ids = p.rows = p.lone = p.split = false;
+  p.ids = p.rows = p.lone = false;
   p.e = -1;
   p.w = 0.f;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
@@ -226,16 +213,6 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                 (size_t)lo * L.row_bytes);
-  if (kSplit && p.lone && split_fits(nv, L.scale_cols)) {
-    p.split = true;
-    if (warp == 0) return;
-#pragma unroll
-    for (int j = 0; j < kPreVecs; ++j)
-      if (tid - 32 + j * kSplitThreads < nv) p.v[j] = ld_nc_v4(x + tid - 32 + j * kSplitThreads);
-    if (L.scale_cols && tid - 32 < L.scale_cols)
-      p.s = a.x_scales[(size_t)lo * L.scale_cols + tid - 32];
-    return;
-  }
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j)
     if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
@@ -248,19 +225,14 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
 // instead, each 16-byte vector as four units and each scale as one, flagged llf.
 // kLone (F_LONE_TOKEN): one token, in slot 0 of the FFN ranks in lone_mask, the windows from
 // ffn_window (s_slot and fb unused).
-// kSplit (kLoneSplitSend; with kLone): where p.split, the threads past warp 0 hold the row
-// (split_fits' mapping) and warp 0 stores nothing.
-template <bool kLone = false, bool kSplit = false>
+template <bool kLone = false>
 __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
                                const int* s_slot, int src_idx, int c, const Preload& p,
                                uint32_t llf, uint64_t lone_mask = 0) {
-  const bool split = kSplit && p.split;
-  if (split && threadIdx.x < 32) return;
-  const int tid = split ? threadIdx.x - 32 : threadIdx.x, nv = L.row_bytes / 16;
-  const int step = split ? kSplitThreads : kThreads;
+  const int tid = threadIdx.x, nv = L.row_bytes / 16;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
-    const int v = tid + j * step;
+    const int v = tid + j * kThreads;
     if (v >= ntok * nv) continue;
     const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
@@ -1094,13 +1066,6 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // are its largest position + 1, read from the metadata units. Then as expand: the offsets, the
 // receipts, and (token, entry, chunk) units, each copying its chunk of the row from the units
 // into the expert-major row as they land.
-// kEarly (F_EARLY_EXPAND, kUnitExpEarly): the token prefix first (the regions' token counts
-// are booked already), so that each warp issues its first unit's loads (the token's metadata
-// units and its chunk's first vector) before the table's pass; the table, its scan and the
-// offsets then run while those loads are in flight, instead of the unit's first load
-// latency coming after them; and the table's pass issues a warp's two tokens' loads together
-// (at more than kWarps tokens a CTA: one latency instead of two).
-template <bool kEarly>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1114,72 +1079,9 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   const uint32_t llf = ll_flag(n);
   // (a region that came as a count block is a bucket mismatch, booked empty: every sender of
   // this form declares its bucket, Comm::dispatch)
-  int* s_tb = s_rb + nreg + 1;  // kEarly: [nreg + 1] the early token prefix (dispatch_smem_bytes)
-  for (int g = tid; g < nreg; g += blockDim.x) {
-    s_rb[g] = s_form[g] ? s_cnt[g] : 0;
-    if (kEarly) s_tb[g] = s_rb[g];
-  }
-  // kEarly: this warp's first unit (gw), located from the early token prefix s_tb (what
-  // finish_offsets makes of s_rb below), and its loads in flight (pre: none; 1: issued)
-  TokenUnits pt;
-  uint64_t p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-  bool pre = false;
-  if (kEarly) {
-    const int nv = L.row_bytes / 16;
-    const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
-    __syncthreads();
-    if (warp == 0) warp_exclusive_scan(s_tb, nreg, lane);
-    __syncthreads();
-    const int items = s_tb[nreg] * L.R;
-    const int lg = chunk_log2_fill(items, nw, nv);
-    const int cv = (nv + (1 << lg) - 1) >> lg;
-    if (gw < (items << lg)) {
-      const int h = gw & ((1 << lg) - 1), it = gw >> lg;
-      const int q = fast_div(it, L.div_R);
-      const int g = upper_index(s_tb, nreg, q);
-      int ai, ch, j, s;
-      if (locate_token(L, a, s_tb, q, g, false, ai, ch, j, s)) {
-        const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
-        const uint64_t* ur = ut + L.meta_ints;
-        pt = issue_token_units(L, ut);
-        const int v = h * cv + lane;
-        if (v < min(nv, h * cv + cv)) {
-          ld_ll2(ur + 4 * (size_t)v, p0, p1);
-          ld_ll2(ur + 4 * (size_t)v + 2, p2, p3);
-        }
-        pre = true;
-      }
-    }
-  }
+  for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
   bool ok = true;
-  // kEarly: a warp's two tokens of the table's pass (q and q + kWarps: more than kWarps tokens
-  // per CTA) have their loads issued together, then settled one after the other
-  for (int q = warp; kEarly && q < nreg * stride && ok; q += 2 * kWarps) {
-    const uint64_t* up[2] = {nullptr, nullptr};
-    int gs[2] = {0, 0};
-    for (int k = 0; k < 2; ++k) {  // slot-major, as they land
-      const int qk = q + k * kWarps;
-      if (qk >= nreg * stride) break;
-      const int j = fast_div(qk, L.div_nreg), g = qk - j * nreg;
-      if (!s_form[g] || j >= s_cnt[g]) continue;
-      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
-      up[k] = ll_token(L, ll_region(L, mine, ai, ch), j);
-      gs[k] = g;
-    }
-    TokenUnits t[2];
-    for (int k = 0; k < 2; ++k)
-      if (up[k] != nullptr) t[k] = issue_token_units(L, up[k]);
-    for (int k = 0; k < 2 && ok; ++k) {
-      if (up[k] == nullptr) continue;
-      const int g = gs[k];
-      int tok, nloc, el, wi, pos;
-      ok = settle_token_units(L, up[k], t[k], llf, deadline,
-                              L.rank_of_attn[fast_div(g, L.div_S)], tok, nloc, el, wi, pos);
-      if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
-        atomicMax(&s_tab[g * El + el], pos + 1);
-    }
-  }
-  for (int q = warp; !kEarly && q < nreg * stride && ok; q += kWarps) {  // slot-major
+  for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major
     const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
     if (!s_form[g] || j >= s_cnt[g]) continue;
     const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
@@ -1210,17 +1112,13 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     const uint64_t* ur = ut + L.meta_ints;  // the row: four units per 16-byte vector
     const int v0 = h * cv, v1 = min(nv, v0 + cv);
     // this lane's first vector of the chunk loads with the metadata: one latency for both
-    // (kEarly: the first unit's were issued before the table, the same unit and addresses)
-    const bool early = kEarly && pre && u == gw;
-    uint64_t x0 = early ? p0 : 0, x1 = early ? p1 : 0, x2 = early ? p2 : 0, x3 = early ? p3 : 0;
-    if (!early && v0 + lane < v1) {
+    uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
+    if (v0 + lane < v1) {
       ld_ll2(ur + 4 * (size_t)(v0 + lane), x0, x1);
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (!settle_token_units(L, ut, early ? pt : issue_token_units(L, ut), llf, deadline, sr, tok,
-                            nloc, el, wi, pos))
-      return;
+    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     el = __shfl_sync(kFull, el, r);  // entry r: lane r's
     pos = __shfl_sync(kFull, pos, r);
     wi = __shfl_sync(kFull, wi, r);
@@ -1294,13 +1192,11 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // barrier between the claim and the copy. Every unit carries its flag: any order will do.
 // The FFN windows come from ffn_window, not the kernel's shared table: nothing here waits at a
 // barrier behind the table's writes.
-// kSplit (kLoneSplitSend, F_LONE_SPLIT): where pre.split, warp 0 holds none of the row, so its
-// claim is the last thing it sends, not the row's first 32 vectors behind the claim
 // kRaw (kRawSend, F_RAW_META): warp 0 stores the token's raw metadata units (raw_meta) once it
 // has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
-template <bool kSplit = false, bool kRaw = false>
+template <bool kRaw = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
@@ -1318,17 +1214,11 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
     if (fd >= 0)
       st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
              (kRaw ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
-  copy_preloaded<true, kSplit>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
   if (kRaw && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
     if (threadIdx.x < L.k && (pre.e < -1 || pre.e >= L.E)) report_route(L.err, pre.e, 0);
     if (threadIdx.x == 0) a.route[t] = (int64_t)fmask;
     trace_mark(L, kTrClaimed, -1);
-  }
-  if (kSplit && pre.split) {  // thread 0 copied nothing: the latest warp's stores (or claim)
-    trace_mark_latest(L, kTrCopied);
-    trace_mark_latest(L, kTrSent);
-    trace_mark_latest(L, kTrMaxSent);
-    return;
   }
   trace_mark(L, kTrCopied, -1);
   trace_mark(L, kTrSent, kTrMaxSent);
@@ -1346,8 +1236,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
   trace_begin(L);
-  // traced kLoneSplitSend: its warps fold their stamps into the zeroed ones (trace_mark_latest)
-  if (kForm == kLoneSplitSend && L.trace != nullptr) __syncthreads();
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
   // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
   trace_mark(L, kTrStart, -1);
@@ -1358,7 +1246,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   // one H200 under MPS timed out); the combine then launches as this grid ends.
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
-  if (!kRecvOnly) preload_sender<kForm == kLoneSplitSend>(L, a, pre, kUnits);
+  if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -1388,7 +1276,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
-    send_lone_token<kForm == kLoneSplitSend, kForm == kRawSend>(L, a, n, pre);
+    send_lone_token<kForm == kRawSend>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
@@ -1496,7 +1384,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       // takes the second path: the fence, then those regions' counts
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
-      if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)  // expand_units' rows per (region,
+      if (kForm == kUnitExpRecv)  // expand_units' rows per (region,
                                                               // expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
@@ -1547,8 +1435,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kForm == kUnitExpRecv || kForm == kUnitExpEarly)
-        expand_units<kForm == kUnitExpEarly>(L, a, n, deadline, smem);
+      if (kForm == kUnitExpRecv)
+        expand_units(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1572,9 +1460,7 @@ size_t dispatch_smem_bytes(const Layout& L) {
   if (L.ll && recv < 6 * nreg * 4) recv = 6 * nreg * 4;  // place_tokens' arrays + s_form
   // F_LL_EXPERTS: the booked arrays, then expand_units' table, offsets and region starts
   // and the count form's expand (the regions' forms behind its arrays)
-  // (F_EARLY_EXPAND: and its early token prefix, nreg + 1 more)
-  const size_t early = (L.flags & F_EARLY_EXPAND) ? nreg + 1 : 0;
-  const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1 + early) * 4;
+  const size_t units = (6 * nreg + nreg * L.El + L.El + 1 + nreg + 1) * 4;
   const size_t count = ((size_t)expand_smem_ints(L) + 3 * nreg) * 4;
   if (L.llx && recv < units) recv = units;
   if (L.llx && recv < count) recv = count;
@@ -1598,23 +1484,16 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
   // forms hold the expert layout's units, so they run with debug output on too
   // (a launch of both roles, the last case, cannot occur with the directional controls)
-  // F_LONE_SPLIT: the units' sender in kLoneSplitSend (its lone path needs F_LONE_TOKEN)
-  const int small_send = (L.flags & F_LONE_SPLIT) && (L.flags & F_LONE_TOKEN) ? kLoneSplitSend
-                                                                               : kSmallSend;
-  if (L.llx && llx_exchange(L, a))
-    return send ? small_send
-           : recv ? ((L.flags & F_EARLY_EXPAND) ? kUnitExpEarly : kUnitExpRecv)
-                  : kGeneric;
+  if (L.llx && llx_exchange(L, a)) return send ? kSmallSend : recv ? kUnitExpRecv : kGeneric;
   // F_RAW_META (its needs hold F_SMALL_KERNELS and the directional controls): only these forms
-  // know the raw metadata, so, as above, they run with debug output on too (and before
-  // F_LONE_SPLIT, whose form does not send it)
+  // know the raw metadata, so, as above, they run with debug output on too
   if (L.ll && raw_meta(L) && ll_exchange(L, a))
     return send ? kRawSend : recv ? kRawRecv : kGeneric;
   if (!(L.flags & F_SMALL_KERNELS) || L.debug || (L.flags & kDirectional) != kDirectional)
     return kGeneric;
   if (L.ll) {
     if (!ll_exchange(L, a)) return kGeneric;
-    if (send) return small_send;
+    if (send) return kSmallSend;
     return recv ? kSmallRecv : kGeneric;
   }
   if (L.tokens) return kGeneric;
@@ -1632,8 +1511,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(dispatch_kernel<kLoneSplitSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawRecv>, attr, (int)smem);
   if (e == cudaSuccess)
@@ -1645,7 +1522,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpEarly>, attr, (int)smem);
   return e;
 }
 
@@ -1667,8 +1543,6 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
   switch (f) {
     case kSmallSend:
       return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
-    case kLoneSplitSend:
-      return launch_transport_kernel(dispatch_kernel<kLoneSplitSend>, L, a, grid, smem, stream);
     case kRawSend:
       return launch_transport_kernel(dispatch_kernel<kRawSend>, L, a, grid, smem, stream);
     case kRawRecv:
@@ -1683,8 +1557,6 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
     case kCountRecvLL:
       return launch_transport_kernel(dispatch_kernel<kCountRecvLL>, L, a, grid, smem, stream);
-    case kUnitExpEarly:
-      return launch_transport_kernel(dispatch_kernel<kUnitExpEarly>, L, a, grid, smem, stream);
     default:
       return launch_transport_kernel(dispatch_kernel<kGeneric>, L, a, grid, smem, stream);
   }

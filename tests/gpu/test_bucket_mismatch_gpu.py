@@ -87,22 +87,6 @@ CASES = {
     "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
-    # AFDEP_EARLY_EXPAND (experimental): the units receive with its early loads, on both sides
-    # and seeing the Attention's count block (bucket 16)
-    "ll_experts_early_expand": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8), EXCHANGES),
-    "ll_experts_early_expand_ffn_units": ({"AFDEP_EARLY_EXPAND": "1"}, dict(num_sms=8),
-                                          [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    # AFDEP_LONE_SPLIT (experimental): the Attention's units from kLoneSplitSend (T = 5 and 3
-    # over 8 channels: lone tokens) against the FFN's count form (its bucket 16) and the
-    # reverse (the Attention's bucket 16: the count form, kCountSend)
-    "ll_experts_lone_split_ffn_counts": ({"AFDEP_LONE_SPLIT": "1"}, dict(num_sms=8),
-                                         [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "ll_experts_lone_split_ffn_units": ({"AFDEP_LONE_SPLIT": "1"}, dict(num_sms=8),
-                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    # AFDEP_SPEC_REPLY (experimental): the FFN's reply in kSpecReply at its bucket 1 (2 rows)
-    # and 2 (4 rows), the Attention's bucket the other
-    "spec_reply": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(1, 1, 1), (1, 2, 1), (1, 1, 1)]),
-    "spec_reply_ffn_bucket_2": ({"AFDEP_SPEC_REPLY": "1"}, {}, [(2, 2, 2), (1, 1, 2), (2, 2, 2)]),
     # The flagged units on one side only, with the defaults (AFDEP_LL_SMALL and
     # AFDEP_EARLY_COLLECT on; set here all the same), in either layout: the FFN (bucket 16, 4 per
     # channel) expects the count block while the Attention (bucket 4) sends units, and replies
@@ -274,17 +258,13 @@ def test_bucket_mismatch_reported_on_both_roles(case):
             assert a[0] == "kCountSend" and f[0] == "kCountRecv", (i, a, f)
         elif case.startswith("ll_experts"):
             units = [-(-b // cfg_kw["num_sms"]) <= 1 for b in (bucket_a, bucket_f)]
-            receive = "kUnitExpEarly" if "early_expand" in case else "kUnitExpRecv"
-            send = "kLoneSplitSend" if "lone_split" in case else "kSmallSend"
-            assert a[0] == (send if units[0] else "kCountSend"), (i, a)
-            assert f[0] == (receive if units[1] else "kCountRecvLL"), (i, f)
+            assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
+            assert f[0] == ("kUnitExpRecv" if units[1] else "kCountRecvLL"), (i, f)
         if case.startswith("early_collect"):  # (T <= num_sms; above it kSmallRecv)
             tokens_layout = cfg_kw.get("receive_layout") == "tokens"
             want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]
                     else "kSmallRecv")
             assert a[1] == want, (i, a)
-        if case.startswith("spec_reply"):  # its FFN bucket's 2 or 4 rows fit the stage
-            assert f[1] == "kSpecReply", (i, f)
         if case.startswith("raw_meta"):  # the token layout's units: ceil(bucket / S) <= 2
             units = [-(-b // cfg_kw["num_sms"]) <= 2 for b in (bucket_a, bucket_f)]
             assert a[0] == ("kRawSend" if units[0] else "kGeneric"), (i, a)

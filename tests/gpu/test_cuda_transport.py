@@ -238,11 +238,11 @@ EAGER_SMALL = [c for c in CASES if c[0] == "1A1F"] + [("2A2F", 128, 4096, "bfloa
                                                      ("3A1F", 128, 2048, "float8_e4m3fn")]
 
 
-def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None, hidden=2048):
-    """100 checked CUDA-graph replays of one 1A1F exchange (H2048 unless ``hidden``), fresh
+def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None):
+    """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh
     inputs each; ``forms``: the kernel forms the captured launches must run, (FFN's,
     Attention's), each (dispatch or receive, reply or collect), None for a phase not checked."""
-    kw = cfg_kw("1A1F", bucket, hidden, dtype)
+    kw = cfg_kw("1A1F", bucket, 2048, dtype)
     res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed, "partial",
                           forms is not None, env={**BASE_ENV, **env}, timeout=600)
     if forms is None:
@@ -432,48 +432,6 @@ def test_ll_experts_sanitizer_small(dtype):
         seed=23)
 
 
-# AFDEP_EARLY_EXPAND (experimental, off by default): the expert layout's units receive issues
-# each warp's first unit's loads before the table's pass (kUnitExpEarly instead of
-# kUnitExpRecv); the count form (kCountRecvLL) is unchanged
-EARLY_EXPAND = {"AFDEP_EARLY_EXPAND": "1"}
-
-
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
-                                          ("1A3F", "bfloat16")])
-def test_early_expand_eager(layout, dtype):
-    """AFDEP_EARLY_EXPAND=1: every exchange of llx_plan exact on every rank (the FFN's rows,
-    offsets, weights, payload bits and receipts against every source; the Attention's output
-    against the fp64 reference), its units receives in kUnitExpEarly."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=EARLY_EXPAND, seed=37)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_EARLY_EXPAND"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert {"kUnitExpEarly", "kCountRecvLL"} <= st["forms"][0], (r, st["forms"])
-            assert "kUnitExpRecv" not in st["forms"][0], (r, st["forms"])
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
-                         ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
-def test_early_expand_graph_replays(dtype, bucket, tokens):
-    """AFDEP_EARLY_EXPAND=1, 100 checked graph replays around the units' edge (bucket 8:
-    kUnitExpEarly; 48 and 49: the count form)."""
-    units = bucket <= 24
-    graph_replays_1a1f(dtype, bucket, tokens, EARLY_EXPAND, 9600,
-                       forms=(("kUnitExpEarly" if units else "kCountRecvLL", None),
-                              ("kSmallSend" if units else "kCountSend", None)))
-
-
-def test_early_expand_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_EARLY_EXPAND=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
-                           (8, [1], "skewed"), (24, [0], "random")], env=EARLY_EXPAND, seed=41)
-    assert res[0]["forms"][0] == {"kUnitExpEarly", "kCountRecvLL"}, res[0]["forms"]  # FFN
-
-
 # AFDEP_SPREAD_CHUNKS (on by default; set here all the same, and
 # test_each_control_reverted_alone and the graph replays below revert it): the small combine
 # forms give a row's chunks to one warp on each of several CTAs; the same forms (kUnitReply,
@@ -524,144 +482,20 @@ def test_spread_chunks_sanitizer_small():
     assert res[1]["forms"][1] == {"kSmallRecv", "kCountRecv"}, res[1]["forms"]
 
 
-# AFDEP_SPEC_REPLY (experimental, off by default): where the A * bucket * R rows are few
-# (forms.h spec_reply_fits), the expert layout's units reply loads its chunk of every row with
-# its receipt (kSpecReply); other buckets keep kUnitReply
-SPEC = {"AFDEP_SPEC_REPLY": "1"}
-
-
-def spec_plan(A):
-    """Buckets 1 and 2 (kSpecReply while A * bucket * R <= 16 rows, each a warp's chunk), then
-    3 and 8 (kUnitReply), with T = 0 on some sources."""
-    return [(1, [1] * A, "random"), (1, [a % 2 for a in range(A)], "skewed"),
-            (2, [(2, 1, 0)[a % 3] for a in range(A)], "partial"), (1, [1] * A, "partial"),
-            (3, [(3, 2)[a % 2] for a in range(A)], "random"),
-            (8, [(7, 8)[a % 2] for a in range(A)], "skewed")]
-
-
-# (layout, hidden, dtype, local_sms, kSpecReply expected): R = 8 in each layout; 1A1F and 1A3F
-# stage 8 rows at bucket 1 and 16 at bucket 2 (H 7168: two vectors a lane, so bucket 1 only),
-# 2A2F 16 rows at bucket 1; 3A1F's 24 rows at bucket 1 never fit; H 8192 on 8 CTAs: 16 chunks
-# of 64 vectors (two a lane: bucket 1 only), two warps a CTA
-SPEC_CASES = [("1A1F", 2048, "bfloat16", 0, True), ("1A1F", 7168, "float8_e4m3fn", 0, True),
-              ("2A2F", 2048, "bfloat16", 0, True), ("1A3F", 4096, "bfloat16", 0, True),
-              ("3A1F", 2048, "float8_e4m3fn", 0, False), ("1A1F", 8192, "bfloat16", 8, True)]
-
-
-@pytest.mark.parametrize("layout,hidden,dtype,local_sms,spec", SPEC_CASES,
-                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" + (f"-G{c[3]}" if c[3] else "")
-                              for c in SPEC_CASES])
-def test_spec_reply_eager(layout, hidden, dtype, local_sms, spec):
-    """AFDEP_SPEC_REPLY=1: every exchange of spec_plan exact on every rank (the FFN's rows
-    past the last offset are NaN, ffn_compute: a reply that added a row no entry names would
-    give NaN), its FFN replies in kSpecReply where the rows fit and in kUnitReply elsewhere."""
-    A = LAYOUTS[layout][1]
-    kw = dict(cfg_kw(layout, 16, hidden, dtype), local_sms=local_sms)
-    res = run(layout, kw, spec_plan(A), env=SPEC, seed=53)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_SPEC_REPLY"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            want = {"kSpecReply", "kUnitReply"} if spec else {"kUnitReply"}
-            assert st["forms"][1] == want, (r, st["forms"])
-        else:
-            assert st["forms"][1] == {"kSmallRecv"}, (r, st["forms"])
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("bfloat16", 2, 2),
-                                                 ("float8_e4m3fn", 2, 1)],
-                         ids=["bf16-B1-T1", "bf16-B2-T2", "fp8-B2-T1"])
-def test_spec_reply_graph_replays(dtype, bucket, tokens):
-    """AFDEP_SPEC_REPLY=1, 100 checked graph replays at buckets 1 and 2 (8 and 16 rows: the
-    reply in kSpecReply, the collect in kSmallRecv)."""
-    graph_replays_1a1f(dtype, bucket, tokens, SPEC, 9800,
-                       forms=((None, "kSpecReply"), (None, "kSmallRecv")))
-
-
-def test_spec_reply_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_SPEC_REPLY=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): kSpecReply at buckets 1 and 2 (T 0, 1, 2), kUnitReply at 8."""
-    kw = cfg_kw("1A1F", 16, 1024, "bfloat16")
-    res = run("1A1F", kw, [(1, [1], "random"), (2, [2], "skewed"), (2, [0], "random"),
-                           (1, [1], "partial"), (8, [5], "random")], env=SPEC, seed=59)
-    assert res[0]["forms"][1] == {"kSpecReply", "kUnitReply"}, res[0]["forms"]  # rank 0: FFN
-
-
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
-def test_spread_and_spec_reply_without_param_bases(layout):
-    """AFDEP_SPREAD_CHUNKS=1 and AFDEP_SPEC_REPLY=1 together with AFDEP_PARAM_BASES=0: every
-    window base is then two dependent global loads, so a start unit written through a base
-    another warp had not yet stored (the race a review found in their first version) would
-    land elsewhere and the collect would miss it; spec_plan and llx_plan exact on every rank,
-    the replies in kSpecReply and in kUnitReply's spread instantiation."""
+def test_spread_chunks_without_param_bases(layout):
+    """AFDEP_SPREAD_CHUNKS=1 with AFDEP_PARAM_BASES=0: every window base is then two dependent
+    global loads, so a start unit written through a base another warp had not yet stored (the
+    race a review found in the spread reply's first version) would land elsewhere and the
+    collect would miss it; llx_plan exact on every rank, the small-bucket replies in
+    kUnitReply's spread instantiation."""
     A = LAYOUTS[layout][1]
-    env = {**SPREAD, **SPEC, "AFDEP_PARAM_BASES": "0"}
-    res = run(layout, cfg_kw(layout, 128, 2048), spec_plan(A) + llx_plan(A), env=env, seed=61)
+    env = {**SPREAD, "AFDEP_PARAM_BASES": "0"}
+    res = run(layout, cfg_kw(layout, 128, 2048), llx_plan(A), env=env, seed=61)
     for r, st in enumerate(res):
         if st["role"] == "ffn":
             # (bucket 128 takes the count form or the generic reply, by the grid)
-            assert {"kSpecReply", "kUnitReply"} <= st["forms"][1], (r, st["forms"])
-
-
-# AFDEP_LONE_SPLIT (experimental, off by default): a sender CTA of one token (T <= num_sms on
-# the flagged units, either layout) runs kLoneSplitSend, its row on warps 1-15 and none on
-# the claiming warp 0 (rows of at most 960 vectors; a larger row keeps the default mapping)
-LONE_SPLIT = {"AFDEP_LONE_SPLIT": "1"}
-
-# (layout, hidden, dtype): the row's vectors on warps 1-15 in one register (H2048 BF16: 256;
-# FP8 H7168: 448 and 56 scales), in two for some lanes (H4096 BF16: 512, H7168 BF16: 896),
-# and H8192 BF16 (1024 vectors: the default mapping inside kLoneSplitSend)
-LONE_SPLIT_CASES = [("1A1F", 2048, "bfloat16"), ("1A1F", 4096, "bfloat16"),
-                    ("1A1F", 7168, "bfloat16"), ("1A1F", 7168, "float8_e4m3fn"),
-                    ("1A1F", 8192, "bfloat16"), ("2A2F", 4096, "bfloat16"),
-                    ("3A1F", 2048, "float8_e4m3fn"), ("1A3F", 4096, "bfloat16")]
-
-
-@pytest.mark.parametrize("layout,hidden,dtype", LONE_SPLIT_CASES,
-                         ids=[f"{c[0]}-H{c[1]}-{c[2]}" for c in LONE_SPLIT_CASES])
-def test_lone_split_eager(layout, hidden, dtype):
-    """AFDEP_LONE_SPLIT=1: every exchange of llx_plan exact on every rank (the FFN's rows,
-    offsets, weights, payload bits and receipts against every source; the Attention's output
-    against the fp64 reference), every Attention dispatch of flagged units (buckets 2, 8, 24:
-    one token a channel, T = 1, 7, 24) in kLoneSplitSend and never in kSmallSend."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, hidden, dtype), llx_plan(A), env=LONE_SPLIT, seed=67)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_LONE_SPLIT"].bit, (r, hex(st["flags"]))
-        if st["role"] == "attention":  # (bucket 128 at H >= 4096: the generic kernel)
-            assert "kLoneSplitSend" in st["forms"][0], (r, st["forms"])
-            assert "kSmallSend" not in st["forms"][0], (r, st["forms"])
-
-
-def test_lone_split_needs_lone_token():
-    """AFDEP_LONE_SPLIT=1 with AFDEP_LONE_TOKEN=0: no CTA takes the lone path, so the units'
-    sender stays kSmallSend (kLoneSplitSend would be kSmallSend under another name); exact."""
-    res = run("1A1F", cfg_kw("1A1F", 128, 4096), llx_plan(1),
-              env={**LONE_SPLIT, "AFDEP_LONE_TOKEN": "0"}, seed=71)
-    forms = res[1]["forms"][0]  # rank 1: the Attention rank
-    assert "kSmallSend" in forms and "kLoneSplitSend" not in forms, forms
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens,hidden", [("bfloat16", 8, 1, 4096),
-                                                        ("float8_e4m3fn", 24, 24, 7168),
-                                                        ("bfloat16", 24, 7, 7168)],
-                         ids=["bf16-B8-T1-H4096", "fp8-B24-T24-H7168", "bf16-B24-T7-H7168"])
-def test_lone_split_graph_replays(dtype, bucket, tokens, hidden):
-    """AFDEP_LONE_SPLIT=1, 100 checked graph replays of one-token channels (the Attention's
-    dispatch in kLoneSplitSend, the FFN's receive in kUnitExpRecv), rows that some lanes hold
-    in two registers (H4096 and H7168 BF16) and FP8 with its scales."""
-    graph_replays_1a1f(dtype, bucket, tokens, LONE_SPLIT, 9900, hidden=hidden,
-                       forms=(("kUnitExpRecv", None), ("kLoneSplitSend", None)))
-
-
-def test_lone_split_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_LONE_SPLIT=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): one-token channels at buckets 24 and 8 (T 1, 7, 24; H 4096, so
-    that lanes of warp 1 hold two vectors), the count form at 64."""
-    kw = cfg_kw("1A1F", 64, 4096, "bfloat16")
-    res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
-                           (8, [1], "skewed"), (24, [0], "random")], env=LONE_SPLIT, seed=73)
-    forms = res[1]["forms"][0]  # rank 1: the Attention rank
-    assert "kLoneSplitSend" in forms and "kSmallSend" not in forms, forms
+            assert "kUnitReply" in st["forms"][1], (r, st["forms"])
 
 
 # AFDEP_EARLY_COLLECT (on by default) is the token layout's collect (tests/gpu/
@@ -765,18 +599,15 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
-@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_LONE_SPLIT=1"], ["AFDEP_RAW_META=1"]],
-                         ids=["defaults", "lone_split", "raw_meta"])
+@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_RAW_META=1"]], ids=["defaults", "raw_meta"])
 @pytest.mark.parametrize("layout", ["experts", "tokens"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1 and a T = 128 exchange is recorded and the CTA-0 sub-stages (claim, payload,
     signal; the claim's first loads; count table; reply rows and, in the token layout at
     T = 1, the reply's first row loaded) are non-negative and add up within the stage they
-    split. lone_split: AFDEP_LONE_SPLIT=1, whose T = 1 dispatch (kLoneSplitSend) stamps the
-    payload and the send as the latest of its warps (trace_mark_latest): still ordered.
-    raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend) stamps the
-    claim after its copy; the expert layout keeps kSmallSend."""
+    split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
+    stamps the claim after its copy; the expert layout keeps kSmallSend."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -793,8 +624,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
-        want = {"AFDEP_LONE_SPLIT=1": "kLoneSplitSend",
-                "AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend"}
+        want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:

@@ -120,71 +120,35 @@ SCEN_LLX = {
 }
 
 
-@pytest.mark.parametrize("arm", ["defaults", "count_form", "early_expand", "spread_off",
-                                 "lone_split"])
+@pytest.mark.parametrize("arm", ["defaults", "count_form", "spread_off"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
     at bucket 48 over 48 channels, where the reply goes as flagged units and, with the
     defaults, the expert layout's dispatch too (AFDEP_LL_EXPERTS: kSmallSend, kUnitExpRecv);
     count_form: AFDEP_LL_EXPERTS=0, the count-block dispatch (kCountSend, kCountRecv);
-    early_expand: AFDEP_EARLY_EXPAND=1 (experimental), the units receive in kUnitExpEarly;
     spread_off: AFDEP_SPREAD_CHUNKS=0, the reply's and collect's chunks on one CTA's warps
-    (spread over the CTAs in the other arms);
-    lone_split: AFDEP_LONE_SPLIT=1 (experimental), the dispatch in kLoneSplitSend (warp 0
-    claims, checking the ids, and stores none of the row). The
-    collect takes the units with a barrier behind the start units in every arm (kSmallRecv:
-    AFDEP_EARLY_COLLECT is the token layout's), the reply is kUnitReply in every arm.
+    (spread over the CTAs in the other arms). The collect takes the units with a barrier
+    behind the start units in every arm (kSmallRecv: AFDEP_EARLY_COLLECT is the token
+    layout's), the reply is kUnitReply in every arm.
     Out-of-range ids reported on the Attention rank after the replays that had them, every
     valid entry exact on every rank, NaN / Inf passed through, tokens without a route giving
     zeros."""
     scen = SCEN_LLX[layout]
     # 48 sender channels: one token each at bucket 48 (the dispatch units' edge)
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
-           "early_expand": {"AFDEP_EARLY_EXPAND": "1"},
-           "spread_off": {"AFDEP_SPREAD_CHUNKS": "0"},
-           "lone_split": {"AFDEP_LONE_SPLIT": "1"}}[arm]
+           "spread_off": {"AFDEP_SPREAD_CHUNKS": "0"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
-    receive = "kUnitExpEarly" if arm == "early_expand" else "kUnitExpRecv"
-    send = "kLoneSplitSend" if arm == "lone_split" else "kSmallSend"
     for s in stats:
         assert s["checked"] == _replays(scen), s
         # the arm's dispatch path ran, and the expert layout's collect never takes the early one
-        want = {"ffn": receive if units else "kCountRecv",
-                "attention": send if units else "kCountSend"}[s["role"]]
+        want = {"ffn": "kUnitExpRecv" if units else "kCountRecv",
+                "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
         # and the reply in units (bucket 48 <= 2 x 48 channels), spread but in spread_off
         assert s["forms"][1] == {"kSmallRecv" if s["role"] == "attention" else "kUnitReply"}, \
             s["forms"]
-    for s in _att(stats):
-        assert s["route_errors"] > 0, s
-
-
-# Hostile inputs where AFDEP_SPEC_REPLY's reply runs (kSpecReply: 1A1F at bucket 2 stages
-# 16 rows, 1A2F at bucket 1 eight on each FFN rank)
-SCEN_SPEC = {
-    "1A1F": [sc("bad_ids", [2], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [2], 4),
-             sc("one_expert", [2], 4), sc("no_route", [1], 2), sc("dups", [2], 4)],
-    "1A2F": [sc("bad_ids", [1], 8), sc("bad_ids", [1], 4, "int32"), sc("nonfinite", [1], 4),
-             sc("one_expert", [1], 4), sc("no_route", [1], 2), sc("dups", [1], 4)],
-}
-
-
-@pytest.mark.parametrize("layout", ["1A1F", "1A2F"])
-def test_spec_reply_hostile_graph_replays(layout):
-    """test_units_hostile_graph_replays' kinds with AFDEP_SPEC_REPLY=1 (experimental) at
-    buckets 2 (1A1F) and 1 (1A2F), where every FFN rank replies in kSpecReply: each warp's
-    chunk of every row loaded with the receipt, the rows its entries name added in entry order
-    (the Attention output bit for bit against the exact model), duplicates counted once,
-    NaN / Inf passed through, tokens without a route giving zeros."""
-    cap = 2 if layout == "1A1F" else 1
-    stats = run(layout, kw(layout, cap=cap, sms=24), SCEN_SPEC[layout], seed=11,
-                env={"AFDEP_SPEC_REPLY": "1"})
-    for s in stats:
-        assert s["checked"] == _replays(SCEN_SPEC[layout]), s
-        want = {"ffn": "kSpecReply", "attention": "kSmallRecv"}[s["role"]]
-        assert s["forms"][1] == {want}, s["forms"]
     for s in _att(stats):
         assert s["route_errors"] > 0, s
 

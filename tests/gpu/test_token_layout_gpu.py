@@ -469,8 +469,7 @@ def _arms():
 
     arms = [("default", {})]
     for name, setting in env.CONTROLS.items():
-        if name in ("AFDEP_LL_EXPERTS", "AFDEP_EARLY_EXPAND", "AFDEP_SPEC_REPLY"):
-            # the expert layout's only
+        if name == "AFDEP_LL_EXPERTS":  # the expert layout's only
             continue
         # each control away from its default: reverted, or (experimental) switched on
         value = "0" if setting.default else "1"
@@ -605,18 +604,16 @@ RAW = {"AFDEP_LL_SMALL": "1", "AFDEP_RAW_META": "1"}
 
 @pytest.mark.parametrize("layout,dtype_name,extra", [
     ("1A1F", "bfloat16", {}), ("2A2F", "float8_e4m3fn", {}), ("3A1F", "bfloat16", {}),
-    ("1A3F", "bfloat16", {}), ("1A1F", "float8_e4m3fn", {"AFDEP_SPREAD_CHUNKS": "0"}),
-    ("2A2F", "bfloat16", {"AFDEP_LONE_SPLIT": "1"})],
-    ids=["1A1F", "2A2F", "3A1F", "1A3F", "1A1F-spread_off", "2A2F-lone_split"])
+    ("1A3F", "bfloat16", {}), ("1A1F", "float8_e4m3fn", {"AFDEP_SPREAD_CHUNKS": "0"})],
+    ids=["1A1F", "2A2F", "3A1F", "1A3F", "1A1F-spread_off"])
 def test_token_layout_raw_meta_graphs(layout, dtype_name, extra):
     """test_token_layout_ll_small_graphs with AFDEP_RAW_META=1 (experimental), the graphs at
     T = 3 and 1 over the 2 channels: a CTA of one token (T = 1; the second CTA at T = 3, whose
     token has a duplicated id) sends its raw ids and weights, the other CTA at T = 3 its two
     tokens' entries, so one receive takes both kinds of region; every FFN rank's rows exact
     (local ids, columns, weights, duplicates dropped), hostile ids reported, 100 checked
-    replays (kRawRecv's spread instantiation, AFDEP_SPREAD_CHUNKS being on); with that control
-    at 0 (its other instantiation), and with AFDEP_LONE_SPLIT, which the raw form takes
-    precedence over."""
+    replays (kRawRecv's spread instantiation, AFDEP_SPREAD_CHUNKS being on); and with that
+    control at 0 (its other instantiation)."""
     run_token_graphs(layout, dtype_name, env={**RAW, **extra}, cap=4, zero_copy=True,
                      attention_send_form="kRawSend", ffn_receive_form="kRawRecv",
                      graph_tokens=[3, 1])
@@ -698,20 +695,6 @@ def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap, value):
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
-def test_token_layout_lone_split_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_LONE_SPLIT=1 (experimental), the graphs at
-    T = 2 and 1 (at most one token on each of the 2 channels): every sender CTA holding a
-    token runs kLoneSplitSend's lone path, its row's units stored by warps 1-15 while warp 0
-    claims and stores none; every row exact, hostile ids reported, 100 checked replays (the
-    eager plan's T = 3 and 4 put two tokens on a channel: kLoneSplitSend's other path)."""
-    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1",
-                                              "AFDEP_LONE_SPLIT": "1"},
-                     cap=4, zero_copy=True, attention_send_form="kLoneSplitSend",
-                     graph_tokens=[2, 1])
-
-
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
     """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units
@@ -751,21 +734,6 @@ def test_token_layout_raw_meta_sanitizer_small():
         assert out["flags"] is None or out["flags"] & controls.CONTROLS["AFDEP_RAW_META"].bit
         want = {"attention": "kRawSend", "ffn": "kRawRecv"}[out["role"]]
         assert out["forms"][0] == {want}, out["forms"]
-
-
-def test_token_layout_lone_split_sanitizer_small():
-    """test_token_layout_ll_small_sanitizer_small with AFDEP_LONE_SPLIT=1, under
-    compute-sanitizer memcheck: the graph at T = 1 (a lone token), its dispatch in
-    kLoneSplitSend."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "float8_e4m3fn", 10, 4, True, [1],
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_LONE_SPLIT": "1"},
-                                  timeout=900)
-    _check_small(res, "float8_e4m3fn")
-    for out in res:
-        bit = controls.CONTROLS["AFDEP_LONE_SPLIT"].bit
-        assert out["flags"] is None or out["flags"] & bit, hex(out["flags"])
-        if out["role"] == "attention":
-            assert out["forms"][0] == {"kLoneSplitSend"}, out["forms"]
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])

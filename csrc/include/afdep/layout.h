@@ -45,15 +45,8 @@ namespace afdep {
                                metadata units */                                              \
   X(EARLY_COLLECT, 20)      /* the token layout's flagged-unit collect: row warps poll their  \
                                units with the start units, no barrier between */              \
-  X(EARLY_EXPAND, 21)       /* the expert layout's units receive: each warp's first unit's    \
-                               loads issued before the table's pass (experimental) */         \
   X(SPREAD_CHUNKS, 22)      /* the small combine forms: a row's chunks go to one warp on each \
-                               of several CTAs, not to one CTA's warps (experimental) */      \
-  X(SPEC_REPLY, 23)         /* the expert layout's units reply with few rows in all: each     \
-                               warp loads its chunk of every row with its receipt, not after  \
-                               it (kSpecReply, experimental) */                               \
-  X(LONE_SPLIT, 24)         /* F_LONE_TOKEN: the claiming warp 0 holds none of the row; the   \
-                               others store it all (kLoneSplitSend, experimental) */          \
+                               of several CTAs, not to one CTA's warps */                     \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */
