@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the flag round-trip probe of the afdep worlds (the floor's "
                         "latency term)")
     g.add_argument("--afdep-env", nargs="+", default=[], metavar="NAME=VALUE",
-                   help="protocol controls for the afdep arm only, e.g. AFDEP_SPREAD_CHUNKS=1: "
+                   help="protocol controls for the afdep arm only, e.g. AFDEP_RAW_META=1: "
                         "an experimental change against the symmetric and NCCL arms in one "
                         "run (the symmetric arm stays fully reverted)")
     g.add_argument("--alt-env", nargs="+", default=[], metavar="NAME=VALUE",

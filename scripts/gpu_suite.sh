@@ -20,7 +20,7 @@
 #      Test-only packages the device lacks (expecttest) can travel in .carry/py (git-ignored;
 #      `run` carry=[".carry"]): it goes on PYTHONPATH when present.
 #      Experimental controls for the whole suite: export them (every rank sees the caller's
-#      environment; a test's own settings go on top), e.g. AFDEP_SPREAD_CHUNKS=1.
+#      environment; a test's own settings go on top), e.g. AFDEP_RAW_META=1.
 # Tests: tests/gpu (GPU-only) and the CUDA cases of tests/contract (-m gpu). Rank r runs on
 # GPU r % n_gpus, so one GPU runs everything (ranks share it under the MPS daemon started
 # below; 2-GPU-only tests, NCCL one rank per GPU, skip with their reason).

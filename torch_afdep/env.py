@@ -158,9 +158,9 @@ _CONTROLS = (
     _control("AFDEP_SPREAD_CHUNKS", 22, 1,
              "the small-T forms that move a small row's chunks (the reply's kSmallSend and "
              "kUnitReply, the collect's kSmallRecv and kEarlyCollect, the token layout's "
-             "receive of flagged units, kSmallRecv, placing its rows) give them to one warp "
-             "on each of several CTAs instead of to one CTA's warps, so that a row's loads "
-             "and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
+             "receive of flagged units, kSmallRecv or kRawRecv, placing its rows) give them to "
+             "one warp on each of several CTAs instead of to one CTA's warps, so that a row's "
+             "loads and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
     _control("AFDEP_RAW_META", 25, 0,

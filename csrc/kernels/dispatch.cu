@@ -865,54 +865,35 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
-// Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (lanes 0
-// and 1) and lane r's entry r (its local id, weight bits, and column or position), as loaded,
-// not yet known to be fresh (settle_token_units waits for them).
-struct TokenUnits {
+// Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
+// every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
+// -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
+// at the deadline (reported), in every lane.
+__device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
+                                                 uint64_t deadline, int sr, int& tok, int& nloc,
+                                                 int& el, int& wi, int& col) {
+  const int lane = threadIdx.x & 31;
   uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
-};
-__device__ __forceinline__ TokenUnits issue_token_units(const Layout& L, const uint64_t* u) {
-  const int lane = threadIdx.x & 31;
-  TokenUnits t;
-  if (lane < 2) t.uh = ld_ll(u + lane);
-  if (lane < L.R) {  // entries past the header's count are masked by settle_token_units
-    t.ue = ld_ll(u + 2 + lane);
-    t.uw = ld_ll(u + 2 + L.R + lane);
-    t.uc = ld_ll(u + 2 + 2 * L.R + lane);
+  if (lane < 2) uh = ld_ll(u + lane);
+  if (lane < L.R) {  // entries past the header's count are masked below
+    ue = ld_ll(u + 2 + lane);
+    uw = ld_ll(u + 2 + L.R + lane);
+    uc = ld_ll(u + 2 + 2 * L.R + lane);
   }
-  return t;
-}
-
-// The words of issue_token_units' loads t, each spun on until fresh: the token index and entry
-// count (in every lane) and lane r's entry r (-1, 0, -1 from nloc on). False at the deadline
-// (reported), in every lane.
-__device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
-                                                   const TokenUnits& t, uint32_t llf,
-                                                   uint64_t deadline, int sr, int& tok,
-                                                   int& nloc, int& el, int& wi, int& col) {
-  const int lane = threadIdx.x & 31;
   bool ok = true;
   constexpr int ph = kPhaseDispatch;
-  if (lane < 2) ok = ll_settle(u + lane, t.uh, llf, deadline, L.err, ph, sr, L.rank, tok);
+  if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
   nloc = min(max(__shfl_sync(kFull, tok, 1), 0), L.R);
   tok = __shfl_sync(kFull, tok, 0);
   el = -1;
   wi = 0;
   col = -1;
   if (lane < nloc) {
-    ok = ok && ll_settle(u + 2 + lane, t.ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
-         ll_settle(u + 2 + L.R + lane, t.uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
-         ll_settle(u + 2 + 2 * L.R + lane, t.uc, llf, deadline, L.err, ph, sr, L.rank, col);
+    ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
+         ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
+         ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);
   }
   return __all_sync(kFull, ok);
-}
-
-// Both at once: every word loaded together (one latency), then each spun on until fresh.
-__device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
-                                                 uint64_t deadline, int sr, int& tok, int& nloc,
-                                                 int& el, int& wi, int& col) {
-  return settle_token_units(L, u, issue_token_units(L, u), llf, deadline, sr, tok, nloc, el, wi,
-                            col);
 }
 
 // F_RAW_META (kRawRecv): a lone token's raw metadata units (raw_meta), waited for, as columns:

@@ -102,6 +102,13 @@ CASES = {
                                          [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "early_collect_experts_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, {},
                                         [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_SPREAD_CHUNKS=0 (every other case spreads, the default): the reply's start units,
+    # which tell the mismatch, from CTA 0's warps instead of the last CTA's last warp
+    "early_collect_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"},
+                                           dict(receive_layout="tokens"),
+                                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "ll_experts_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"}, dict(num_sms=8),
+                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}
@@ -169,7 +176,8 @@ def _body(rank, world, cfg_kw, exchanges):
     buf = torch_afdep.Buffer(None, cfg, device="cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
     is_ffn = rank < cfg.ffn_ranks
-    rec = {"rank": rank, "role": "ffn" if is_ffn else "attention", "exchanges": []}
+    rec = {"rank": rank, "role": "ffn" if is_ffn else "attention", "exchanges": [],
+           "flags": buf.transports[0].flags}
     try:
         for i, (tokens, bucket_a, bucket_f) in enumerate(exchanges):
             # bucket_a: every Attention rank's, or a tuple by Attention index
@@ -241,6 +249,10 @@ def test_bucket_mismatch_reported_on_both_roles(case):
     ffn, attn = spawn_world(_body, 2, cfg_kw, exchanges, device_ids=devs,
                             env={**ENV, **env_extra}, timeout=240.0)
     assert ffn["role"] == "ffn" and attn["role"] == "attention"
+    for name, value in env_extra.items():  # the case's controls reached both ranks
+        if name in env.CONTROLS:
+            bit = env.CONTROLS[name].bit
+            assert all(bool(r["flags"] & bit) == (value == "1") for r in (ffn, attn)), name
 
     for i in (0, 2):  # equal buckets: correct, and no error
         f, a = ffn["exchanges"][i], attn["exchanges"][i]

@@ -241,16 +241,21 @@ EAGER_SMALL = [c for c in CASES if c[0] == "1A1F"] + [("2A2F", 128, 4096, "bfloa
 def graph_replays_1a1f(dtype, bucket, tokens, env, seed, forms=None):
     """100 checked CUDA-graph replays of one 1A1F exchange (H2048), fresh
     inputs each; ``forms``: the kernel forms the captured launches must run, (FFN's,
-    Attention's), each (dispatch or receive, reply or collect), None for a phase not checked."""
+    Attention's), each (dispatch or receive, reply or collect), None for a phase not checked;
+    then every control that ``env`` sets must have reached each rank's flags as set."""
     kw = cfg_kw("1A1F", bucket, 2048, dtype)
     res = spawn_gpu_world(gw.graph_body, 2, kw, bucket, [tokens], 100, seed, "partial",
                           forms is not None, env={**BASE_ENV, **env}, timeout=600)
     if forms is None:
         assert all(r == 100 for r in res)
         return
-    for (checked, got), want in zip(res, forms):  # rank 0 is the FFN rank
+    for (checked, got, flags), want in zip(res, forms):  # rank 0 is the FFN rank
         assert checked == 100
         assert all(w is None or g == w for g, w in zip(got, want)), (got, want)
+        for name, value in env.items():
+            if name in controls.CONTROLS:
+                assert bool(flags & controls.CONTROLS[name].bit) == (value == "1"), \
+                    (name, value, hex(flags))
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 128, 128),
@@ -432,27 +437,27 @@ def test_ll_experts_sanitizer_small(dtype):
         seed=23)
 
 
-# AFDEP_SPREAD_CHUNKS (on by default; set here all the same, and
-# test_each_control_reverted_alone and the graph replays below revert it): the small combine
-# forms give a row's chunks to one warp on each of several CTAs; the same forms (kUnitReply,
-# kSmallRecv)
-SPREAD = {"AFDEP_SPREAD_CHUNKS": "1"}
+# AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
+# on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
+# run in every other small-T test; these revert it, or run it on small grids
+SPREAD_BIT = controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit
 
 
-@pytest.mark.parametrize("layout,dtype,local_sms", [
-    ("1A1F", "bfloat16", 0), ("1A1F", "float8_e4m3fn", 0), ("2A2F", "bfloat16", 0),
-    ("3A1F", "float8_e4m3fn", 0), ("1A3F", "bfloat16", 0), ("1A1F", "bfloat16", 5),
-    ("2A2F", "bfloat16", 1)])
-def test_spread_chunks_eager(layout, dtype, local_sms):
-    """AFDEP_SPREAD_CHUNKS=1 (the default): every exchange of llx_plan exact on every rank, its small-bucket
-    replies in kUnitReply and its collects in kSmallRecv with the chunks spread; on the
-    automatic local grid (one CTA per SM) and on grids of 5 and 1 CTAs (fewer CTAs than a
-    row's chunks: a CTA takes several, G = 1 the default mapping)."""
+@pytest.mark.parametrize("layout,dtype,local_sms,value", [
+    ("1A1F", "bfloat16", 0, "0"), ("1A1F", "float8_e4m3fn", 0, "0"), ("2A2F", "bfloat16", 0, "0"),
+    ("3A1F", "float8_e4m3fn", 0, "0"), ("1A3F", "bfloat16", 0, "0"), ("1A1F", "bfloat16", 5, "1"),
+    ("2A2F", "bfloat16", 1, "1")])
+def test_spread_chunks_eager(layout, dtype, local_sms, value):
+    """Every exchange of llx_plan exact on every rank, its small-bucket replies in kUnitReply
+    and its collects in kSmallRecv: with AFDEP_SPREAD_CHUNKS=0 (a row's chunks on one CTA's
+    warps) on the automatic local grid (one CTA per SM; test_ll_experts_eager runs the same
+    plans with the default), and with it on (the default) on grids of 5 and 1 CTAs (fewer CTAs
+    than a row's chunks: a CTA takes several, G = 1 the unspread mapping)."""
     A = LAYOUTS[layout][1]
     kw = dict(cfg_kw(layout, 128, 2048, dtype), local_sms=local_sms)
-    res = run(layout, kw, llx_plan(A), env=SPREAD, seed=43)
+    res = run(layout, kw, llx_plan(A), env={"AFDEP_SPREAD_CHUNKS": value}, seed=43)
     for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit, (r, hex(st["flags"]))
+        assert bool(st["flags"] & SPREAD_BIT) == (value == "1"), (r, hex(st["flags"]))
         want = "kUnitReply" if st["role"] == "ffn" else "kSmallRecv"
         assert want in st["forms"][1], (r, st["forms"])
 
@@ -465,18 +470,20 @@ def test_spread_chunks_graph_replays(dtype, bucket, tokens, value):
     units' edge (buckets 8 and 48: kUnitReply, spread with the control on; 49: kCountSend,
     never spread); every collect in kSmallRecv."""
     # the reply's units up to bucket 48 (2 x 24 channels), the count form above
-    graph_replays_1a1f(dtype, bucket, tokens, {"AFDEP_SPREAD_CHUNKS": value},
-                       9700 + int(value),
+    graph_replays_1a1f(dtype, bucket, tokens, {"AFDEP_SPREAD_CHUNKS": value}, 9700,
                        forms=((None, "kUnitReply" if bucket <= 48 else "kCountSend"),
                               (None, "kSmallRecv")))
 
 
-def test_spread_chunks_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_SPREAD_CHUNKS=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
+def test_spread_chunks_reverted_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_SPREAD_CHUNKS=0 (run under compute-sanitizer by
+    scripts/gpu_suite.sh; the default's small cases run there in test_ll_experts_sanitizer_small):
+    units at buckets 24 and 8 (T 0, 1, 7, 24), the count form at 64."""
     kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
     res = run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
-                           (8, [1], "skewed"), (24, [0], "random")], env=SPREAD, seed=47)
+                           (8, [1], "skewed"), (24, [0], "random")],
+              env={"AFDEP_SPREAD_CHUNKS": "0"}, seed=47)
+    assert not any(st["flags"] & SPREAD_BIT for st in res), [hex(st["flags"]) for st in res]
     assert res[0]["forms"][1] == {"kUnitReply", "kCountSend"}, res[0]["forms"]  # rank 0: FFN
     # T = 64 > 2 x 24 channels: the count form's collect (not a spread form)
     assert res[1]["forms"][1] == {"kSmallRecv", "kCountRecv"}, res[1]["forms"]
@@ -484,13 +491,13 @@ def test_spread_chunks_sanitizer_small():
 
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_spread_chunks_without_param_bases(layout):
-    """AFDEP_SPREAD_CHUNKS=1 with AFDEP_PARAM_BASES=0: every window base is then two dependent
-    global loads, so a start unit written through a base another warp had not yet stored (the
-    race a review found in the spread reply's first version) would land elsewhere and the
-    collect would miss it; llx_plan exact on every rank, the small-bucket replies in
+    """AFDEP_SPREAD_CHUNKS (the default) with AFDEP_PARAM_BASES=0: every window base is then
+    two dependent global loads, so a start unit written through a base another warp had not yet
+    stored (the race a review found in the spread reply's first version) would land elsewhere
+    and the collect would miss it; llx_plan exact on every rank, the small-bucket replies in
     kUnitReply's spread instantiation."""
     A = LAYOUTS[layout][1]
-    env = {**SPREAD, "AFDEP_PARAM_BASES": "0"}
+    env = {"AFDEP_SPREAD_CHUNKS": "1", "AFDEP_PARAM_BASES": "0"}
     res = run(layout, cfg_kw(layout, 128, 2048), llx_plan(A), env=env, seed=61)
     for r, st in enumerate(res):
         if st["role"] == "ffn":

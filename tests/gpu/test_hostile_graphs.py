@@ -28,6 +28,7 @@ from tests.helpers import devices  # noqa: E402
 devices.require_gpu_module()
 
 from tests.helpers import hostile as hb  # noqa: E402
+from torch_afdep import controls  # noqa: E402
 
 
 ENV = devices.GPU_ENV
@@ -140,8 +141,10 @@ def test_units_hostile_graph_replays(layout, arm):
            "spread_off": {"AFDEP_SPREAD_CHUNKS": "0"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
+    spread = controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit
     for s in stats:
         assert s["checked"] == _replays(scen), s
+        assert bool(s["flags"] & spread) == (arm != "spread_off"), (arm, hex(s["flags"]))
         # the arm's dispatch path ran, and the expert layout's collect never takes the early one
         want = {"ffn": "kUnitExpRecv" if units else "kCountRecv",
                 "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]

@@ -714,11 +714,11 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     _check_small(res, dtype_name)
 
 
-def test_token_layout_spread_chunks_sanitizer_small():
-    """test_token_layout_ll_small_sanitizer_small with AFDEP_SPREAD_CHUNKS=1, under
-    compute-sanitizer memcheck."""
+def test_token_layout_spread_chunks_reverted_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small with AFDEP_SPREAD_CHUNKS=0 (that test runs
+    the default, spread), under compute-sanitizer memcheck."""
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "1"},
+                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_CHUNKS": "0"},
                                   timeout=900)
     _check_small(res, "bfloat16")
 

@@ -221,7 +221,7 @@ def hostile_graph_body(rank, world, cfg_kw, scenarios, seed0, dup_mode="contract
     A = cfg.attention_ranks
     # "forms": the kernel forms each phase's captured launch ran (a test of a path asserts it)
     stats = {"role": role, "checked": 0, "route_errors": 0, "dup_route_errors": 0,
-             "nonfinite_out": 0, "per_kind": {}, "forms": [set(), set()]}
+             "nonfinite_out": 0, "per_kind": {}, "forms": [set(), set()], "flags": t.flags}
     memory_only = dup_mode == "memory"
     try:
         for si, sc_def in enumerate(scenarios):

@@ -206,7 +206,7 @@ def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="par
                forms=False):
     """Capture one exchange per rank in a CUDA graph; replay with fresh inputs each time.
     Returns the replays checked, with ``forms`` also the captured launches' kernel forms
-    (dispatch or receive, reply or collect)."""
+    (dispatch or receive, reply or collect) and the transport's control flags."""
     cfg = make_config(cfg_kw)
     dev = torch.device("cuda", torch.cuda.current_device())
     t = _transport(cfg, rank)
@@ -279,7 +279,7 @@ def graph_body(rank, world, cfg_kw, bucket, tokens, replays, seed0, routing="par
                 checked += 1
     finally:
         t.close()
-    return (checked, captured) if forms else checked
+    return (checked, captured, t.flags) if forms else checked
 
 
 def timeout_body(rank, world, cfg_kw):

@@ -45,8 +45,9 @@ namespace afdep {
                                metadata units */                                              \
   X(EARLY_COLLECT, 20)      /* the token layout's flagged-unit collect: row warps poll their  \
                                units with the start units, no barrier between */              \
-  X(SPREAD_CHUNKS, 22)      /* the small combine forms: a row's chunks go to one warp on each \
-                               of several CTAs, not to one CTA's warps */                     \
+  X(SPREAD_CHUNKS, 22)      /* the small combine forms and the token layout's units receive: \
+                               a row's chunks go to one warp on each of several CTAs, not to  \
+                               one CTA's warps */                                             \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */
