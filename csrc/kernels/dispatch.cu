@@ -1365,8 +1365,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       // takes the second path: the fence, then those regions' counts
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
-      if (kForm == kUnitExpRecv)  // expand_units' rows per (region,
-                                                              // expert), zeroed meanwhile
+      if (kForm == kUnitExpRecv)  // expand_units' rows per (region, expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
         const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
