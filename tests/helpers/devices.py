@@ -12,7 +12,7 @@ Nothing here touches a GPU at import, so the helper modules import on any machin
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import pytest
 import torch
@@ -26,6 +26,15 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 #: The four small-batch controls (default 1) reverted together: the defaults before them.
 PREVIOUS_DEFAULTS = {"AFDEP_PDL": "0", "AFDEP_ONE_FENCE": "0", "AFDEP_EARLY_LOADS": "0",
                      "AFDEP_LL_SMALL": "0"}
+
+
+def controls_missed(flags: int, settings: Optional[Mapping[str, str]]) -> List[str]:
+    """The protocol controls that ``settings`` (a world's environment) sets but the rank's
+    transport ``flags`` do not carry as set: a test of a control that never reached the
+    kernels would pass on the default path. Other variables in ``settings`` are ignored."""
+    return [name for name, value in (settings or {}).items() if name in env.CONTROLS
+            and bool(flags & env.CONTROLS[name].bit) != (value == "1")]
+
 
 #: The devices of the contract suite, in parameter order.
 DEVICES = ("cpu", "cuda")
