@@ -12,11 +12,15 @@ build-time variables without importing torch_afdep.
   allowed values when it is malformed).
 - ``current()``: every run-time value of this process, parsed once (``reset()`` re-reads).
 - ``protocol_flags(environ=None)``: the control bit mask (``AFDEP_SYMMETRIC=1`` gives 0).
+- ``unknown_notes(environ=None)``: the ``AFDEP_*`` names set that have no effect (typos, and
+  the retired controls of ``RETIRED``); ``current()`` warns about them once per parse.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 # When a variable is read.
@@ -239,6 +243,9 @@ _OTHERS = (
             "tests/contract/test_fuzz.py runs only these comma-separated seeds", AT_TESTS),
     Setting("AFDEP_GPU_BODIES_ON_CPU", "bool", 0,
             "import the GPU test bodies without a GPU (smoke tests)", AT_TESTS),
+    Setting("AFDEP_TEST_OUT", "str", "",
+            "contract tests: the folder a spawned world's ranks write their records to",
+            AT_TESTS),
 )
 
 #: name -> Setting, for every variable torch_afdep reads.
@@ -312,10 +319,51 @@ def describe_flags(mask: int) -> Dict[str, int]:
     return {name: int(bool(mask & c.bit)) for name, c in CONTROLS.items()}
 
 
+#: Controls that were measured, not kept and removed: name -> what became of the change. Setting
+#: one has no effect; ``unknown_notes`` says so instead of calling it a typo.
+RETIRED: Dict[str, str] = {
+    "AFDEP_FFN_WIDE": "renamed AFDEP_WIDE_LOCAL",
+    "AFDEP_ROW_BATCH": "reverted in session 6: slower in 5 of 6 cells at T >= 1,536 on 2 x H200",
+    "AFDEP_RELAXED_POLL": "removed in session 12: no faster in any of 9 cells",
+    "AFDEP_PARAM_PREFETCH": "removed in session 14: the compiler dropped its loads, so it never ran",
+    "AFDEP_EARLY_SETUP": "removed in session 19: a longer gap before the reply",
+    "AFDEP_EAGER_GATE": "reverted in session 26: every process slow on a shared GPU",
+    "AFDEP_EAGER_PLACE": "removed in session 33: some processes 1.1-3.5x slower on a shared GPU",
+    "AFDEP_SIZED_GRID": "removed in session 33: no gain on 2 x H200, a slower reply on one",
+    "AFDEP_EARLY_EXPAND": "removed in session 36: 8-9% slower at T <= 24",
+    "AFDEP_SPEC_REPLY": "removed in session 36: 0.2-2% slower at T <= 4",
+    "AFDEP_LONE_SPLIT": "removed in session 36: within 1% of off",
+}
+
+
 def unknown(environ: Optional[Mapping[str, str]] = None) -> Tuple[str, ...]:
-    """``AFDEP_*`` names set in ``environ`` that torch_afdep does not read (typos)."""
+    """``AFDEP_*`` names set in ``environ`` that torch_afdep does not read (typos, or the
+    retired controls of ``RETIRED``)."""
     environ = os.environ if environ is None else environ
     return tuple(sorted(k for k in environ if k.startswith("AFDEP_") and k not in SETTINGS))
+
+
+def unknown_notes(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """{name: why it has no effect} for every ``unknown`` name: a retired control's fate, or,
+    for a likely typo, the registered name closest to it."""
+    notes = {}
+    for name in unknown(environ):
+        if name in RETIRED:
+            notes[name] = f"a retired control ({RETIRED[name]}); it has no effect"
+        else:
+            close = difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.8)
+            notes[name] = "not read by torch_afdep" + (
+                f" (did you mean {close[0]}?)" if close else " (a typo?)")
+    return notes
+
+
+def warn_unknown(environ: Optional[Mapping[str, str]] = None) -> None:
+    """One ``UserWarning`` listing the ``AFDEP_*`` variables of ``environ`` that have no
+    effect (``unknown_notes``); nothing when there are none."""
+    notes = unknown_notes(environ)
+    if notes:
+        warnings.warn("torch_afdep: " + "; ".join(f"{k} is set but {v}" for k, v in
+                                                  notes.items()), UserWarning, stacklevel=3)
 
 
 class Values(NamedTuple):
@@ -349,6 +397,7 @@ def current() -> Values:
     global _CURRENT
     if _CURRENT is None:
         _CURRENT = read()
+        warn_unknown()  # once per parse: a retired control or a typo silently does nothing
     return _CURRENT
 
 
@@ -359,5 +408,6 @@ def reset() -> None:
 
 
 __all__ = ["Setting", "SETTINGS", "CONTROLS", "SYMMETRIC", "ALL_ROLE_AWARE", "DEFAULT_FLAGS",
-           "parse", "get", "protocol_flags", "describe_flags", "unknown", "Values", "read",
+           "RETIRED", "parse", "get", "protocol_flags", "describe_flags", "unknown", "unknown_notes",
+           "warn_unknown", "Values", "read",
            "current", "reset"]

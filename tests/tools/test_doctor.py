@@ -263,8 +263,18 @@ def test_unknown_afdep_variable_is_a_warning(clean_env, capsys):
     rc, d = run_json(capsys)
     assert rc == 0
     assert d["environment"]["afdep_unknown"] == {"AFDEP_ROLE_BUFERS": "0"}
-    assert any("AFDEP_ROLE_BUFERS is set but torch_afdep does not read it" in w
-               for w in d["warnings"])
+    assert any("AFDEP_ROLE_BUFERS is set but not read by torch_afdep (did you mean "
+               "AFDEP_ROLE_BUFFERS?)" in w for w in d["warnings"])
+
+
+def test_retired_control_is_a_warning_naming_its_fate(clean_env, capsys):
+    clean_env.setenv("AFDEP_LONE_SPLIT", "1")  # retired in session 36
+    rc, d = run_json(capsys)
+    assert rc == 0
+    assert d["environment"]["afdep_unknown"] == {"AFDEP_LONE_SPLIT": "1"}
+    assert d["environment"]["control_mask"] == env.DEFAULT_FLAGS  # no bit of its own
+    assert any("AFDEP_LONE_SPLIT is set but a retired control (removed in session 36"
+               in w and "it has no effect" in w for w in d["warnings"])
 
 
 def test_selftest_failure_gives_its_error(clean_env, capsys):

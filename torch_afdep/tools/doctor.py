@@ -321,9 +321,9 @@ def check_environment(rep: Report, env=None) -> None:
             hint = (": use e.g. FFAA or 'ffn,ffn,attention,attention'"
                     if name == "AFDEP_ROLES" else "")
             rep.problem(f"{name}={raw!r} is invalid ({e}){hint}")
-    unknown = _env.unknown(env)
-    for name in unknown:
-        rep.warn(f"{name} is set but torch_afdep does not read it (a typo?)")
+    unknown = _env.unknown_notes(env)
+    for name, why in unknown.items():
+        rep.warn(f"{name} is set but {why}")
     rep.facts["environment"] = {"multicast": multicast, "controls": ctl, "control_mode": mode,
                                 "control_mask": mask, "afdep_other": other,
                                 "afdep_unknown": {k: env[k] for k in unknown}}
