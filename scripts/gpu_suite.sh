@@ -14,7 +14,8 @@
 #      AFDEP_COMMIT (the commit a copied tree records in results),
 #      SHARDS=<n> (n concurrent pytest shards under MPS, each with 1/n of the SMs; the tests
 #      SERIAL_K selects, and failures, run alone afterwards: scripts/shard_pytest.py;
-#      RESUME=<summary.txt of an earlier call at the same commit> skips what passed there),
+#      RESUME="<summary.txt or shard log of an earlier call at the same commit> ..." skips
+#      what passed there),
 #      PACK=1 (pack $OUT into one bundle.tgz at the end), MARKED=1 (also the gpu-marked tests
 #      outside tests/gpu and tests/contract, e.g. the doctor's; always in full mode).
 #      Test-only packages the device lacks (expecttest) can travel in .carry/py (git-ignored;
@@ -105,8 +106,9 @@ if [ -n "${SHARDS:-}" ] || [ -n "${RESUME:-}" ]; then
   # concurrent shards under MPS, each with 1/SHARDS of the SMs, failures rerun alone, and
   # tests whose worlds wait at barriers or hold many ranks run alone after the shards
   SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
+  RESUME_ARGS=(); for r in ${RESUME:-}; do RESUME_ARGS+=(--resume "$r"); done
   $PY scripts/shard_pytest.py --shards "${SHARDS:-1}" --budget "${TEST_TIMEOUT:-420}" \
-    --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME:+--resume "$RESUME"} \
+    --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} \
     -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
 else
   timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \

@@ -1,7 +1,7 @@
 """Run a pytest selection as N concurrent shards on one GPU, then retry the failures alone.
 
     python scripts/shard_pytest.py --shards 3 --budget 480 --out DIR [--serial-k EXPR] \
-        [--resume SUMMARY] -- <pytest args>
+        [--resume SUMMARY_OR_LOG ...] -- <pytest args>
 
 Every GPU test starts its own world. With forked worlds (about 3 s a test on one H200) one
 shard is the fastest: three concurrent shards ran slower (34 tests in 200 s). With one shard
@@ -14,9 +14,12 @@ wait at barriers (the symmetric protocol, reverted directional controls) need al
 resident at once and starve beside other worlds (one H200, 4 shards: 16 timeouts): the tests
 that ``--serial-k`` selects run alone, after the shards. A test that fails in a shard runs
 again alone, without the limit; only a test that fails alone counts as failed (its shard log
-and its lone log are both kept). ``--resume`` takes an earlier run's summary.txt and leaves
+and its lone log are both kept). ``--resume`` takes an earlier run's summary.txt, or the
+pytest -v log of a shard whose call was cut off before the summary (repeatable), and leaves
 out the tests that passed or skipped there (a suite longer than one device call, finished
-over several calls at one commit; the new summary counts them as passed earlier). Writes
+over several calls at one commit; the new summary counts them as passed earlier). The budget
+covers the collection and a shard's 20 s to stop after SIGINT, so a caller's time limit of
+the budget plus a few seconds holds. Writes
 ``DIR/shard<i>.log``, ``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test
 passed or skipped.
 """
@@ -32,6 +35,10 @@ import time
 
 # pytest -v: "<node id> PASSED [ 10%]" (setup errors and skips included, unlike -rA's lines)
 _RESULT = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: |$)")
+
+
+#: seconds a shard gets to stop after SIGINT before it is killed
+_GRACE_S = 20.0
 
 
 def collect(pytest_args):
@@ -52,6 +59,27 @@ def results(log_path):
             if m and got.get(m.group(1)) not in ("FAILED", "ERROR"):
                 got[m.group(1)] = m.group(2)
     return got
+
+
+def earlier_results(path):
+    """{node id: PASSED or SKIPPED} from a summary.txt ("PASSED <id>") or a pytest -v log
+    ("<id> PASSED [ 10%]")."""
+    done = {}
+    with open(path, errors="replace") as f:
+        for ln in f:
+            word, _, node = ln.rstrip("\n").partition(" ")
+            if word in ("PASSED", "SKIPPED"):
+                done[node.split("  (")[0]] = word
+    done.update((t, v) for t, v in results(path).items() if v in ("PASSED", "SKIPPED"))
+    return done
+
+
+def shard_budget(budget_s, shards, elapsed_s):
+    """Seconds the shards may run: their share of the budget (half with several shards, the
+    rest being for the tests that run alone) less what the collection took and less the SIGINT
+    grace, so a caller's limit of the budget plus a few seconds holds (a call cut off by its
+    caller writes no summary)."""
+    return budget_s * (0.5 if shards > 1 else 1.0) - elapsed_s - _GRACE_S
 
 
 def run_shards(ids, n, out_dir, budget_s):
@@ -76,7 +104,7 @@ def run_shards(ids, n, out_dir, budget_s):
         except subprocess.TimeoutExpired:
             p.send_signal(2)  # SIGINT: pytest prints what it has
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=_GRACE_S)
             except subprocess.TimeoutExpired:
                 p.kill()
         log.close()
@@ -93,8 +121,10 @@ def main(argv=None):
     p.add_argument("--out", default=".")
     p.add_argument("--serial-k", default="",
                    help="-k expression of the tests that run alone after the shards")
-    p.add_argument("--resume", default="",
-                   help="summary.txt of an earlier run: its passed and skipped tests are done")
+    p.add_argument("--resume", action="append", default=[],
+                   help="summary.txt of an earlier run, or a pytest -v log (a shard log of a "
+                        "call cut off before its summary): its passed and skipped tests are "
+                        "done; repeatable")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="after --: the selection (paths, -m, -k) to collect")
     a = p.parse_args(argv)
@@ -105,20 +135,15 @@ def main(argv=None):
     t0 = time.monotonic()
     ids = collect(args)
     done = {}
-    if a.resume:
-        with open(a.resume) as f:
-            for ln in f:
-                word, _, node = ln.rstrip("\n").partition(" ")
-                node = node.split("  (")[0]
-                if word in ("PASSED", "SKIPPED"):
-                    done[node] = word
+    for path in a.resume:
+        done.update(earlier_results(path))
     earlier = {t: done[t] for t in ids if t in done}
     ids = [t for t in ids if t not in earlier]
     # one shard runs alone anyway: no lone phase, and the whole budget for it
     serial = (set(collect(args + ["-k", a.serial_k])) if a.serial_k and a.shards > 1
               else set())
     got = run_shards([t for t in ids if t not in serial], a.shards, a.out,
-                     a.budget * (0.5 if a.shards > 1 else 1.0))
+                     shard_budget(a.budget, a.shards, time.monotonic() - t0))
     bad = [t for t in ids if got.get(t) in ("FAILED", "ERROR")]
     retried = {}
     alone = [t for t in ids if t in serial] + bad

@@ -36,3 +36,28 @@ def test_shards_then_serial_tests_alone(tmp_path):
     summary = (again / "summary.txt").read_text()
     assert "(2 done in the resumed run)" in summary and "PASSED 2" in summary, summary
     assert not list(again.glob("shard*.log")), "a resumed test ran again"
+
+    # a call cut off before its summary: its shard logs (pytest -v) resume as well, several at once
+    logs = [str(p) for p in sorted(tmp_path.glob("shard*.log"))] + [str(tmp_path / "alone.log")]
+    from_logs = tmp_path / "from_logs"
+    out = subprocess.run(
+        [sys.executable, "scripts/shard_pytest.py", "--shards", "1", "--budget", "240",
+         "--out", str(from_logs), *[x for log in logs for x in ("--resume", log)], "--", *sel],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = (from_logs / "summary.txt").read_text()
+    assert "(2 done in the resumed run)" in summary and "PASSED 2" in summary, summary
+    assert not list(from_logs.glob("shard*.log")), "a test the logs passed ran again"
+
+
+def test_budget_counts_the_collection_and_the_stop():
+    """The shards' time is the budget less the collection and the SIGINT grace (a call's limit
+    of budget + a few seconds once ended the suite before its summary was written)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import shard_pytest
+    finally:
+        sys.path.pop(0)
+    grace = shard_pytest._GRACE_S
+    assert shard_pytest.shard_budget(500, 1, 12.0) == 500 - 12.0 - grace
+    assert shard_pytest.shard_budget(500, 3, 12.0) == 250 - 12.0 - grace
