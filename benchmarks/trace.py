@@ -11,8 +11,8 @@ buffer's ``Config.receive_layout``), then reads every rank's trace ring (the las
 exchanges) and prints, per token count, median stage times in µs. Stages on one GPU are exact;
 stages that cross GPUs (marked ``x``) assume the two GPUs' %globaltimer agree, which the
 ``x clock check`` line lets you judge (a flag crossing should take ~1 µs, never < 0; but
-"F last signal -> A CTA0 done seen" is < 0 wherever the reply sends flagged units, whose start
-units the collect sees before the reply's last signal).
+"F last signal -> A CTA0 done seen" is typically < 0 where the reply sends flagged units, whose
+start units the collect sees before the reply's last signal).
 Diagnostics only: the stamps cost a few ns per CTA and the numbers are not the benchmark's.
 
 The Attention's stream also gets a one-thread %globaltimer stamp kernel right after the start
@@ -119,8 +119,8 @@ STAGES = [
      lambda da, ca, df, cf: _gap(cf, MASKED, cf, START), False),
     ("    F CTA0: receipt loaded -> first rows loaded",
      lambda da, ca, df, cf: _gap(cf, LOADED, cf, MASKED), False),
-    # negative where the reply sends flagged units (small T): the collect's "done seen" is the
-    # start units, which the reply writes before its rows and its last CTA's signal
+    # typically negative where the reply sends flagged units (small T): the collect's "done
+    # seen" is the start units, which the reply writes before its rows and its last CTA's signal
     ("x F last signal -> A CTA0 done seen", lambda da, ca, df, cf: _gap(ca, WAITED, cf, MAX_SENT), True),
     ("A collect (done seen -> last CTA end)", lambda da, ca, df, cf: _gap(ca, MAX_END, ca, WAITED), False),
     # the collect split: CTA 0's own end (at small T it holds the rows) against the latest

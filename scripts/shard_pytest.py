@@ -16,10 +16,11 @@ that ``--serial-k`` selects run alone, after the shards. A test that fails in a 
 again alone, without the limit; only a test that fails alone counts as failed (its shard log
 and its lone log are both kept). ``--resume`` takes an earlier run's summary.txt, or the
 pytest -v log of a shard whose call was cut off before the summary (repeatable), and leaves
-out the tests that passed or skipped there (a suite longer than one device call, finished
-over several calls at one commit; the new summary counts them as passed earlier). The budget
-covers the collection and a shard's 20 s to stop after SIGINT, so a caller's time limit of
-the budget plus a few seconds holds. Writes
+out the tests that passed there (a suite longer than one device call, finished over several
+calls at one commit; the new summary counts them as passed earlier; skipped tests run again).
+The budget covers the collection and the shards' 20 s to stop after SIGINT, so a caller's
+time limit of the budget plus a few seconds holds (with one shard, or when the tests that run
+alone find too little time to start). Writes
 ``DIR/shard<i>.log``, ``DIR/alone.log`` and ``DIR/summary.txt``; exit status 0 when every test
 passed or skipped.
 """
@@ -62,15 +63,17 @@ def results(log_path):
 
 
 def earlier_results(path):
-    """{node id: PASSED or SKIPPED} from a summary.txt ("PASSED <id>") or a pytest -v log
-    ("<id> PASSED [ 10%]")."""
+    """{node id: "PASSED"} from a summary.txt ("PASSED <id>") or a pytest -v log
+    ("<id> PASSED [ 10%]"). Skips are not taken: a test skipped for want of something that
+    one call lacked (the MPS daemon, say) runs again; one skipped by design skips again at
+    once."""
     done = {}
     with open(path, errors="replace") as f:
         for ln in f:
             word, _, node = ln.rstrip("\n").partition(" ")
-            if word in ("PASSED", "SKIPPED"):
+            if word == "PASSED":
                 done[node.split("  (")[0]] = word
-    done.update((t, v) for t, v in results(path).items() if v in ("PASSED", "SKIPPED"))
+    done.update((t, v) for t, v in results(path).items() if v == "PASSED")
     return done
 
 
@@ -98,15 +101,21 @@ def run_shards(ids, n, out_dir, budget_s):
         procs.append((i, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
                       log))
     deadline = time.monotonic() + budget_s
+    late = []
     for i, p, log in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.send_signal(2)  # SIGINT: pytest prints what it has
-            try:
-                p.wait(timeout=_GRACE_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            late.append(p)
+    stop_by = time.monotonic() + _GRACE_S  # one grace for all the shards stopped
+    for p in late:
+        try:
+            p.wait(timeout=max(0.1, stop_by - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for _, _, log in procs:
         log.close()
     got = {}
     for i, _, _ in procs:
@@ -123,14 +132,17 @@ def main(argv=None):
                    help="-k expression of the tests that run alone after the shards")
     p.add_argument("--resume", action="append", default=[],
                    help="summary.txt of an earlier run, or a pytest -v log (a shard log of a "
-                        "call cut off before its summary): its passed and skipped tests are "
-                        "done; repeatable")
+                        "call cut off before its summary): its passed tests are done; "
+                        "repeatable")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="after --: the selection (paths, -m, -k) to collect")
     a = p.parse_args(argv)
     args = [x for x in a.pytest_args if x != "--"]
     if a.shards < 1:
         p.error(f"--shards must be >= 1, got {a.shards}")
+    missing = [r for r in a.resume if not os.path.isfile(r)]
+    if missing:
+        p.error(f"--resume: no such file: {', '.join(missing)}")
     os.makedirs(a.out, exist_ok=True)
     t0 = time.monotonic()
     ids = collect(args)

@@ -319,10 +319,11 @@ def describe_flags(mask: int) -> Dict[str, int]:
     return {name: int(bool(mask & c.bit)) for name, c in CONTROLS.items()}
 
 
-#: Controls that were measured, not kept and removed: name -> what became of the change. Setting
-#: one has no effect; ``unknown_notes`` says so instead of calling it a typo.
+#: Controls removed from the kernels (most were measured and not kept; see docs/history.md), or
+#: renamed: name -> what became of it. Setting one has no effect; ``unknown_notes`` says so
+#: instead of calling it a typo.
 RETIRED: Dict[str, str] = {
-    "AFDEP_FFN_WIDE": "renamed AFDEP_WIDE_LOCAL",
+    "AFDEP_FFN_WIDE": "renamed: set AFDEP_WIDE_LOCAL instead",
     "AFDEP_ROW_BATCH": "reverted in session 6: slower in 5 of 6 cells at T >= 1,536 on 2 x H200",
     "AFDEP_RELAXED_POLL": "removed in session 12: no faster in any of 9 cells",
     "AFDEP_PARAM_PREFETCH": "removed in session 14: the compiler dropped its loads, so it never ran",
@@ -330,7 +331,7 @@ RETIRED: Dict[str, str] = {
     "AFDEP_EAGER_GATE": "reverted in session 26: every process slow on a shared GPU",
     "AFDEP_EAGER_PLACE": "removed in session 33: some processes 1.1-3.5x slower on a shared GPU",
     "AFDEP_SIZED_GRID": "removed in session 33: no gain on 2 x H200, a slower reply on one",
-    "AFDEP_EARLY_EXPAND": "removed in session 36: 8-9% slower at T <= 24",
+    "AFDEP_EARLY_EXPAND": "removed in session 36: 7.6-9% slower at T <= 24",
     "AFDEP_SPEC_REPLY": "removed in session 36: 0.2-2% slower at T <= 4",
     "AFDEP_LONE_SPLIT": "removed in session 36: within 1% of off",
 }
@@ -359,7 +360,9 @@ def unknown_notes(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]
 
 def warn_unknown(environ: Optional[Mapping[str, str]] = None) -> None:
     """One ``UserWarning`` listing the ``AFDEP_*`` variables of ``environ`` that have no
-    effect (``unknown_notes``); nothing when there are none."""
+    effect (``unknown_notes``); nothing when there are none. ``current()`` calls it at its first
+    parse, so each process of a world warns once (Python's default filter also hides a repeat
+    from the same place)."""
     notes = unknown_notes(environ)
     if notes:
         warnings.warn("torch_afdep: " + "; ".join(f"{k} is set but {v}" for k, v in

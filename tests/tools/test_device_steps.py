@@ -11,15 +11,34 @@ import tarfile
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
-def test_unknown_step_is_reported_and_out_is_packed(tmp_path):
+def _call(tmp_path, **env_vars):
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, OUT=str(out), STEPS="nonesuch", LIMIT="60", AFDEP_COMMIT="abc1234")
+    env = dict(os.environ, OUT=str(out), AFDEP_COMMIT="abc1234", **env_vars)
     r = subprocess.run(["bash", "scripts/device_steps.sh"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(os.listdir(out)) == ["bundle.tgz"]
     with tarfile.open(out / "bundle.tgz") as t:
         log = t.extractfile("./call.log").read().decode()
-    lines = [ln.split("] ", 1)[1] for ln in log.splitlines() if ln.startswith("[")]
-    assert lines == ["commit=abc1234 steps=nonesuch", "unknown step nonesuch", "call done"]
+    return [ln.split("] ", 1)[1] for ln in log.splitlines() if ln.startswith("[")]
+
+
+def test_unknown_step_is_reported_and_out_is_packed(tmp_path):
+    lines = _call(tmp_path, STEPS="nonesuch", LIMIT="60")
+    assert lines == ["commit=abc1234 steps=nonesuch limit=60s", "unknown step nonesuch",
+                     "call done"]
+
+
+def test_steps_without_time_left_are_skipped_and_the_call_still_packs(tmp_path):
+    """LIMIT=30: no step has its 20 s after its reserve (a timeout of 0 or less would mean no
+    limit, or an error), so each says so, nothing runs, and the results are packed."""
+    lines = _call(tmp_path, STEPS="build suite san bench", LIMIT="30")
+    assert lines[0] == "commit=abc1234 steps=build suite san bench limit=30s"
+    assert len(lines) == 6 and lines[-1] == "call done", lines
+    assert all(ln.startswith("skipped: ") and ln.endswith("s left") for ln in lines[1:5]), lines
+
+
+def test_ab_without_its_settings_is_reported_not_fatal(tmp_path):
+    lines = _call(tmp_path, STEPS="ab nonesuch", LIMIT="60")
+    assert lines[1:] == ["ab: set AB_ENV and AB_T", "unknown step nonesuch", "call done"], lines

@@ -275,6 +275,9 @@ def test_retired_control_is_a_warning_naming_its_fate(clean_env, capsys):
     assert d["environment"]["control_mask"] == env.DEFAULT_FLAGS  # no bit of its own
     assert any("AFDEP_LONE_SPLIT is set but a retired control (removed in session 36"
                in w and "it has no effect" in w for w in d["warnings"])
+    assert doctor.main(["--no-selftest"]) == 0
+    out = capsys.readouterr().out
+    assert row(out, "AFDEP_LONE_SPLIT") == "1        (retired: no effect)", out
 
 
 def test_selftest_failure_gives_its_error(clean_env, capsys):

@@ -61,3 +61,31 @@ def test_budget_counts_the_collection_and_the_stop():
     grace = shard_pytest._GRACE_S
     assert shard_pytest.shard_budget(500, 1, 12.0) == 500 - 12.0 - grace
     assert shard_pytest.shard_budget(500, 3, 12.0) == 250 - 12.0 - grace
+
+
+def test_missing_resume_file_is_an_error_before_anything_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "scripts/shard_pytest.py", "--shards", "1", "--budget", "60",
+         "--out", str(tmp_path), "--resume", str(tmp_path / "nope.txt"), "--",
+         "tests/contract/test_slots.py", "-k", "tag_ranges"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--resume: no such file" in out.stderr, out.stderr
+    assert not (tmp_path / "summary.txt").exists()
+
+
+def test_resume_takes_passes_only(tmp_path):
+    """A skip in an earlier call may be for want of something that call lacked (the MPS
+    daemon): it is not taken as done."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import shard_pytest
+    finally:
+        sys.path.pop(0)
+    summary = tmp_path / "summary.txt"
+    summary.write_text("3 tests, 1 shards, 9 s: PASSED 1, SKIPPED 1, FAILED 1\n"
+                       "PASSED tests/a.py::t1  (in the resumed run)\n"
+                       "SKIPPED tests/a.py::t2\nFAILED tests/a.py::t3\n")
+    log = tmp_path / "shard0.log"
+    log.write_text("tests/b.py::u1[x-1] PASSED [ 50%]\ntests/b.py::u2 SKIPPED (no MPS) [100%]\n")
+    assert shard_pytest.earlier_results(str(summary)) == {"tests/a.py::t1": "PASSED"}
+    assert shard_pytest.earlier_results(str(log)) == {"tests/b.py::u1[x-1]": "PASSED"}

@@ -627,7 +627,8 @@ def format_text(d: Dict[str, Any], verbose: bool = False) -> str:
             val = "(unset)" if info["value"] is None else info["value"]
             lines.append(f"    {name:<26} {val:<8} {info['meaning']}")
         for name, val in e["afdep_unknown"].items():
-            lines.append(f"    {name:<26} {val:<8} (unknown to torch_afdep)")
+            what = "(retired: no effect)" if name in _env.RETIRED else "(unknown to torch_afdep)"
+            lines.append(f"    {name:<26} {val:<8} {what}")
     s = d.get("selftest")
     if s is not None:
         section("self-test (1A1F, 2 processes, each receive layout, checked against "
