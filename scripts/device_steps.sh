@@ -17,6 +17,7 @@
 #          (default 150; less when less is left)
 #   bench  benchmarks.run, arms afdep and symmetric, both layouts, T = BENCH_T (default
 #          "1 32 128 512 2048"), BENCH_REPEATS (default 3), within what is left
+#   profile  scripts/gpu_profile.sh (ncu per kernel in lockstep; its CELLS, EXCHANGES, SAMPLED)
 # Both ranks share the one GPU under a CUDA MPS daemon that each GPU step starts and stops.
 set -u
 ROOT=${OUT:?set OUT to the folder the results go to}
@@ -113,6 +114,11 @@ for s in ${STEPS:-}; do
       --out-dir "$ROOT/bench" > "$ROOT/bench.log" 2>&1
     stamp "bench rc=$?"
     mps_off;;
+  profile)
+    t=$(secs 15); [ -n "$t" ] || continue
+    stamp "profile CELLS=${CELLS:-default}"
+    OUT="$ROOT/profile" timeout -k 10 "$t" bash scripts/gpu_profile.sh > "$ROOT/profile.log" 2>&1
+    stamp "profile rc=$?";;
   *) stamp "unknown step $s";;
   esac
 done

@@ -33,10 +33,10 @@ def test_unknown_step_is_reported_and_out_is_packed(tmp_path):
 def test_steps_without_time_left_are_skipped_and_the_call_still_packs(tmp_path):
     """LIMIT=30: no step has its 20 s after its reserve (a timeout of 0 or less would mean no
     limit, or an error), so each says so, nothing runs, and the results are packed."""
-    lines = _call(tmp_path, STEPS="build suite san bench", LIMIT="30")
-    assert lines[0] == "commit=abc1234 steps=build suite san bench limit=30s"
-    assert len(lines) == 6 and lines[-1] == "call done", lines
-    assert all(ln.startswith("skipped: ") and ln.endswith("s left") for ln in lines[1:5]), lines
+    lines = _call(tmp_path, STEPS="build suite san bench profile", LIMIT="30")
+    assert lines[0] == "commit=abc1234 steps=build suite san bench profile limit=30s"
+    assert len(lines) == 7 and lines[-1] == "call done", lines
+    assert all(ln.startswith("skipped: ") and ln.endswith("s left") for ln in lines[1:6]), lines
 
 
 def test_ab_without_its_settings_is_reported_not_fatal(tmp_path):
