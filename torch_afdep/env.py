@@ -13,7 +13,7 @@ build-time variables without importing torch_afdep.
 - ``current()``: every run-time value of this process, parsed once (``reset()`` re-reads).
 - ``protocol_flags(environ=None)``: the control bit mask (``AFDEP_SYMMETRIC=1`` gives 0).
 - ``unknown_notes(environ=None)``: the ``AFDEP_*`` names set that have no effect (typos, and
-  the retired controls of ``RETIRED``); ``current()`` warns about them once per parse.
+  the retired controls of ``RETIRED``); ``current()`` warns about them at its first parse.
 """
 
 from __future__ import annotations
@@ -400,7 +400,7 @@ def current() -> Values:
     global _CURRENT
     if _CURRENT is None:
         _CURRENT = read()
-        warn_unknown()  # once per parse: a retired control or a typo silently does nothing
+        warn_unknown()  # a retired control or a typo would otherwise do nothing, silently
     return _CURRENT
 
 
