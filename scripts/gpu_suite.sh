@@ -6,7 +6,8 @@
 #                                               custom: PYTEST_K selects)
 # Env: BUILD=pip|cuda-only|skip, PYTEST_K (-k filter), PYTEST_X (extra pytest args, e.g.
 #      --timeout=120), TEST_TIMEOUT (s: the whole test run's budget, not a per-test limit;
-#      tests it leaves unstarted are listed as NOT RUN), MPS=0 (no MPS daemon), SKIP_SAN=1,
+#      tests it leaves unstarted are listed as NOT RUN), SKIP_TESTS=1 (no GPU tests: a call
+#      for the build, memcheck or a benchmark alone), MPS=0 (no MPS daemon), SKIP_SAN=1,
 #      SAN_TIMEOUT, SAN_K (the memcheck run's -k filter, default sanitizer: every test named so),
 #      SKIP_BENCH=1, BENCH_ARGS (args for python -m benchmarks.run), SOAK=<replays>,
 #      OVERLAP=1, TRACE=1, TRACE_ARGS (args for python -m benchmarks.trace), TRACE_TIMEOUT,
@@ -62,74 +63,84 @@ $PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_v
 # ---- tests ---------------------------------------------------------------------------
 # Layouts with several ranks on one GPU need kernels of several processes to run at once:
 # start a CUDA MPS daemon for the tests (MPS=0 skips; those tests then skip themselves).
+# Its stop waits until the daemon is gone, so that a next call's start does not find it
+# stopping (that start would fail, and the shared-GPU tests would skip).
+mps_quit() {
+  echo quit | nvidia-cuda-mps-control
+  for _ in $(seq 50); do pgrep -x nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.2; done
+  echo "the MPS daemon did not stop in 10 s"
+}
 if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
     export AFDEP_TEST_SHARED_GPU=1
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    trap mps_quit EXIT
     stamp "MPS daemon started: shared-GPU layouts enabled" | tee -a "$OUT/env.log"
   fi
 fi
-# GPU worlds fork from a server that imported torch once (seconds saved per test) when a
-# probe world gets working CUDA that way; else (or with AFDEP_WORLD_START set) as given
-if [ -z "${AFDEP_WORLD_START:-}" ]; then
-  if AFDEP_WORLD_START=forkserver timeout 90 $PY -c 'from torch_afdep.testing import spawn_world, cuda_probe_body
+# SKIP_TESTS=1: none of the GPU tests (nor the probe of forked worlds they use)
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  # GPU worlds fork from a server that imported torch once (seconds saved per test) when a
+  # probe world gets working CUDA that way; else (or with AFDEP_WORLD_START set) as given
+  if [ -z "${AFDEP_WORLD_START:-}" ]; then
+    if AFDEP_WORLD_START=forkserver timeout 90 $PY -c 'from torch_afdep.testing import spawn_world, cuda_probe_body
 assert spawn_world(cuda_probe_body, 2, device_ids=[0, 0], timeout=80) == [2.0, 2.0]' >>"$OUT/env.log" 2>&1; then
-    export AFDEP_WORLD_START=forkserver
-    stamp "forked GPU worlds work: AFDEP_WORLD_START=forkserver" | tee -a "$OUT/env.log"
-  else
-    stamp "forked GPU worlds failed the probe (env.log): GPU worlds spawn" | tee -a "$OUT/env.log"
+      export AFDEP_WORLD_START=forkserver
+      stamp "forked GPU worlds work: AFDEP_WORLD_START=forkserver" | tee -a "$OUT/env.log"
+    else
+      stamp "forked GPU worlds failed the probe (env.log): GPU worlds spawn" | tee -a "$OUT/env.log"
+    fi
   fi
-fi
-if [ "$MODE" = "smoke" ]; then
-  # about 5 minutes on 2 x H200: every kernel path of 1A1F, the contract's 1A1F exchanges
-  K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy or (fp64_reference and 1A1F)"
-elif [ "$MODE" = "custom" ]; then
-  K="${PYTEST_K:-not sanitizer}"
-  PYTEST_K=""
-else
-  K="not sanitizer"
-fi
-[ -n "${PYTEST_K:-}" ] && K="($K) and ($PYTEST_K)"
-# The contract's CUDA cases (marked gpu) run with tests/gpu; its backend and mesh files need
-# the c10d extension (torch_afdep._C): left out, and said so, when it was not built.
-TESTS="tests/gpu tests/contract"
-if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
-  TESTS="$TESTS --ignore=tests/contract/test_backend.py --ignore=tests/contract/test_mesh.py"
-  stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
-fi
-stamp "pytest $TESTS -m gpu -k '$K' (shards: ${SHARDS:-1})" | tee "$OUT/tests.log"
-if [ -n "${SHARDS:-}" ] || [ -n "${RESUME:-}" ]; then
-  # shard_pytest.py: a per-test summary.txt that RESUME can take; SHARDS=1 is one serial
-  # pytest (the fastest with forked worlds: about 3 s a test on one H200); SHARDS>1 runs
-  # concurrent shards under MPS, each with 1/SHARDS of the SMs, failures rerun alone, and
-  # tests whose worlds wait at barriers or hold many ranks run alone after the shards
-  SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
-  RESUME_ARGS=(); for r in ${RESUME:-}; do RESUME_ARGS+=(--resume "$r"); done
-  $PY scripts/shard_pytest.py --shards "${SHARDS:-1}" --budget "${TEST_TIMEOUT:-420}" \
-    --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} \
-    -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
-else
-  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
-    --durations=15 >>"$OUT/tests.log" 2>&1
-fi
-echo "pytest rc=$?" | tee -a "$OUT/tests.log"
-# Other gpu-marked tests (tests/tools, tests/perf: the doctor's CUDA self-test); full mode, or MARKED=1
-if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then
-  stamp "pytest -m gpu (outside tests/gpu and tests/contract)" | tee "$OUT/tests-marked.log"
-  # only the files that hold gpu-marked tests (others may need test-only packages)
-  MARKED_FILES=$(grep -rl "mark.gpu" tests --include='test_*.py' | grep -v -e '^tests/gpu/' -e '^tests/contract/')
-  if [ -n "$MARKED_FILES" ]; then
-    timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest $MARKED_FILES -m gpu -v \
-      -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
-    echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
+  if [ "$MODE" = "smoke" ]; then
+    # about 5 minutes on 2 x H200: every kernel path of 1A1F, the contract's 1A1F exchanges
+    K="(eager_role_aware and 1A1F-128-7168) or (eager_symmetric and 1A1F-128-2048) or (control and 1A1F and (WIDE or ROLE_WARPS or ONE_WAY)) or timeout_raises or (graph_replays and 1A1F-bfloat16) or (hostile_graph and 1A1F) or (duplicate and 1A1F) or previous_exchange or zero_copy or (fp64_reference and 1A1F)"
+  elif [ "$MODE" = "custom" ]; then
+    K="${PYTEST_K:-not sanitizer}"
+    PYTEST_K=""
   else
-    echo "no gpu-marked files outside tests/gpu and tests/contract" | tee -a "$OUT/tests-marked.log"
+    K="not sanitizer"
   fi
-  tail -8 "$OUT/tests-marked.log"
+  [ -n "${PYTEST_K:-}" ] && K="($K) and ($PYTEST_K)"
+  # The contract's CUDA cases (marked gpu) run with tests/gpu; its backend and mesh files need
+  # the c10d extension (torch_afdep._C): left out, and said so, when it was not built.
+  TESTS="tests/gpu tests/contract"
+  if ! $PY -c 'import torch_afdep._C' >/dev/null 2>&1; then
+    TESTS="$TESTS --ignore=tests/contract/test_backend.py --ignore=tests/contract/test_mesh.py"
+    stamp "torch_afdep._C not built: tests/contract/test_backend.py and test_mesh.py left out" | tee -a "$OUT/env.log"
+  fi
+  stamp "pytest $TESTS -m gpu -k '$K' (shards: ${SHARDS:-1})" | tee "$OUT/tests.log"
+  if [ -n "${SHARDS:-}" ] || [ -n "${RESUME:-}" ]; then
+    # shard_pytest.py: a per-test summary.txt that RESUME can take; SHARDS=1 is one serial
+    # pytest (the fastest with forked worlds: about 3 s a test on one H200); SHARDS>1 runs
+    # concurrent shards under MPS, each with 1/SHARDS of the SMs, failures rerun alone, and
+    # tests whose worlds wait at barriers or hold many ranks run alone after the shards
+    SERIAL_K="${SERIAL_K:-symmetric or control or 2A2F or 3A1F or 1A3F or 4A2F or 1A2F or previous_exchange or zero_copy or connector or fault or killed or timeout or skipped}"
+    RESUME_ARGS=(); for r in ${RESUME:-}; do RESUME_ARGS+=(--resume "$r"); done
+    $PY scripts/shard_pytest.py --shards "${SHARDS:-1}" --budget "${TEST_TIMEOUT:-420}" \
+      --out "$OUT/shards" --serial-k "$SERIAL_K" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} \
+      -- $TESTS -m gpu -k "$K" >>"$OUT/tests.log" 2>&1
+  else
+    timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" $PY -m pytest $TESTS -m gpu -v ${PYTEST_X:-} -rA -s -p no:cacheprovider -k "$K" \
+      --durations=15 >>"$OUT/tests.log" 2>&1
+  fi
+  echo "pytest rc=$?" | tee -a "$OUT/tests.log"
+  # Other gpu-marked tests (tests/tools, tests/perf: the doctor's CUDA self-test); full mode, or MARKED=1
+  if [ "$MODE" = "full" ] || [ "${MARKED:-0}" = "1" ]; then
+    stamp "pytest -m gpu (outside tests/gpu and tests/contract)" | tee "$OUT/tests-marked.log"
+    # only the files that hold gpu-marked tests (others may need test-only packages)
+    MARKED_FILES=$(grep -rl "mark.gpu" tests --include='test_*.py' | grep -v -e '^tests/gpu/' -e '^tests/contract/')
+    if [ -n "$MARKED_FILES" ]; then
+      timeout -s INT -k 30 "${MARKED_TIMEOUT:-240}" $PY -m pytest $MARKED_FILES -m gpu -v \
+        -rA -p no:cacheprovider ${PYTEST_X:-} >>"$OUT/tests-marked.log" 2>&1
+      echo "pytest (marked) rc=$?" | tee -a "$OUT/tests-marked.log"
+    else
+      echo "no gpu-marked files outside tests/gpu and tests/contract" | tee -a "$OUT/tests-marked.log"
+    fi
+    tail -8 "$OUT/tests-marked.log"
+  fi
+  tail -25 "$OUT/tests.log"
 fi
-tail -25 "$OUT/tests.log"
 
 # ---- compute-sanitizer -------------------------------------------------------------
 # With fewer than two GPUs the small sanitizer layouts share a GPU: they run under the MPS
@@ -147,7 +158,7 @@ fi
 # stays up until the script exits.
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "${AFDEP_TEST_SHARED_GPU:-0}" = "1" ] && [ "$NGPU" -ge 2 ]; then
-  echo quit | nvidia-cuda-mps-control; trap - EXIT
+  mps_quit; trap - EXIT
   unset AFDEP_TEST_SHARED_GPU CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 

@@ -492,8 +492,8 @@ def test_spread_chunks_without_param_bases(layout):
     two dependent global loads, so a start unit written through a base another warp had not yet
     stored (the race a review found in the spread reply's first version) would land elsewhere
     and the collect would miss it; buckets 1-3 (a row's chunks on the most CTAs; at bucket 1
-    once with T = 0 on the first source) and llx_plan exact on every rank, the small-bucket replies in kUnitReply's
-    spread instantiation."""
+    once with T = 0 on the first source) and llx_plan exact on every rank, the small-bucket
+    replies in kUnitReply's spread instantiation."""
     A = LAYOUTS[layout][1]
     env = {"AFDEP_SPREAD_CHUNKS": "1", "AFDEP_PARAM_BASES": "0"}
     smallest = [(1, [1] * A, "random"), (1, [a % 2 for a in range(A)], "skewed"),

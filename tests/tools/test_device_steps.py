@@ -8,7 +8,7 @@ import os
 import subprocess
 import tarfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+from tests.helpers.scripts import ROOT
 
 
 def _call(tmp_path, **env_vars):
@@ -31,8 +31,9 @@ def test_unknown_step_is_reported_and_out_is_packed(tmp_path):
 
 
 def test_steps_without_time_left_are_skipped_and_the_call_still_packs(tmp_path):
-    """LIMIT=30: no step has its 20 s after its reserve (a timeout of 0 or less would mean no
-    limit, or an error), so each says so, nothing runs, and the results are packed."""
+    """LIMIT=30: no step has its MIN_STEP_S (45) after its reserve (a timeout of 0 or less
+    would mean no limit, or an error), so each says so, nothing runs, and the results are
+    packed."""
     lines = _call(tmp_path, STEPS="build suite san bench profile", LIMIT="30")
     assert lines[0] == "commit=abc1234 steps=build suite san bench profile limit=30s"
     assert len(lines) == 7 and lines[-1] == "call done", lines

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from tests.helpers.scripts import load_script
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
@@ -53,11 +55,7 @@ def test_shards_then_serial_tests_alone(tmp_path):
 def test_budget_counts_the_collection_and_the_stop():
     """The shards' time is the budget less the collection and the SIGINT grace (a call's limit
     of budget + a few seconds once ended the suite before its summary was written)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import shard_pytest
-    finally:
-        sys.path.pop(0)
+    shard_pytest = load_script("shard_pytest")
     grace = shard_pytest._GRACE_S
     assert shard_pytest.shard_budget(500, 1, 12.0) == 500 - 12.0 - grace
     assert shard_pytest.shard_budget(500, 3, 12.0) == 250 - 12.0 - grace
@@ -76,11 +74,7 @@ def test_missing_resume_file_is_an_error_before_anything_runs(tmp_path):
 def test_resume_takes_passes_only(tmp_path):
     """A skip in an earlier call may be for want of something that call lacked (the MPS
     daemon): it is not taken as done."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import shard_pytest
-    finally:
-        sys.path.pop(0)
+    shard_pytest = load_script("shard_pytest")
     summary = tmp_path / "summary.txt"
     summary.write_text("3 tests, 1 shards, 9 s: PASSED 1, SKIPPED 1, FAILED 1\n"
                        "PASSED tests/a.py::t1  (in the resumed run)\n"
