@@ -57,7 +57,8 @@ D, C = 0, 1  # phases
 
 def _gap(a, i: int, b, j: int) -> Optional[int]:
     """a[i] - b[j] in ns; None when either point was never stamped (0: e.g. the count table
-    point, which only the expert layout's receive stamps)."""
+    point, which only the expert layout's receive stamps, and not where one token arrived in
+    all: AFDEP_LONE_EXPAND builds no table)."""
     return a[i] - b[j] if a[i] and b[j] else None
 
 
@@ -294,7 +295,12 @@ def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
           "".join(f"{'T=' + str(r['tokens']):>13s}" for r in rows))
     print(f"{'event latency (start..end events), median / p90':58s}" +
           "".join(f"{r['latency_us']:7.1f}/{r['latency_spread_us']['p90']:5.1f}" for r in rows))
-    for name in rows[0]["stages_us"]:
+    # every stage some row has, in STAGES' order (a T = 1 row may lack one: e.g. the expert
+    # layout's lone-token receive builds no count table), then the stream's lines
+    known = [n for n, _, _ in STAGES]
+    seen = list(dict.fromkeys(n for r in rows for n in r["stages_us"]))
+    names = sorted(seen, key=lambda n: known.index(n) if n in known else len(known) + seen.index(n))
+    for name in names:
         if name.startswith("A stream") or name == OUTSIDE:
             cells = "".join(f"{r['stages_us'][name]:7.1f}/{r['spread_us'][name]['p90']:5.1f}"
                             for r in rows)

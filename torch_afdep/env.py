@@ -141,6 +141,14 @@ _CONTROLS = (
              "region, so one warp claims the token (route, id checks, metadata units) while "
              "every other warp already stores the count units and the row's units; the same "
              "units; 0 = the claim in shared memory, a barrier, then the copy"),
+    _control("AFDEP_LONE_EXPAND", 18, 1,
+             "the expert layout's receive of flagged units (AFDEP_LL_EXPERTS) where one token "
+             "arrived in all (e.g. T = 1 from one Attention rank): its rows follow from its own "
+             "entries (one row per distinct local expert, experts in order), so no CTA builds "
+             "the count table of rows per (region, expert), scans it or meets a barrier behind "
+             "it; every warp with a chunk of the row loads the token's units and works out its "
+             "row by warp shuffles; the same outputs; 0 = the count table, its scan and the "
+             "offsets, then the rows"),
     _control("AFDEP_LL_EXPERTS", 19, 1,
              "the expert layout's dispatch where a channel holds one token (bucket <= "
              "num_sms) travels as the token layout's flagged units (count, metadata, rows, "

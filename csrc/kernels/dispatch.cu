@@ -1040,13 +1040,58 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
   if (kSmall || L.ll) place_rows_ll<kSpread>(L, a, n, deadline, s_cnt, s_form);
 }
 
+// F_LONE_EXPAND (expand_units): the row of entry r of the only token that arrived, from the
+// token's entries in this warp's lanes (lane r: entry r, as load_token_units gives them), the
+// row the count table would give: a valid entry (r < nloc, local id in range, position 0: its
+// region's only token) takes the number of distinct valid ids below its own (experts in order,
+// one row each; a repeated id shares its first's row), any other -1. A warp's first unit on
+// CTA 0 (`books`; unit warps w = 0 .. nbook - 1, warp 0 among them) also writes the expert
+// offsets (warp w: experts 32w + 32 * nbook * i + lane) and, warp 0, the token's receipt
+// (item: its source's slot 0) and every source's token count (1 for source ai).
+__device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, int r, int nloc,
+                                        int el, int pos, int wi, int tok, int ai, int sr,
+                                        size_t item, bool books, int nbook) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_cap = L.A * a.bucket * L.R;
+  const bool valid = lane < nloc && el >= 0 && el < L.El && pos == 0;
+  // every lane matches (distinct negative keys where invalid): see load_raw_units
+  const unsigned same = __match_any_sync(kFull, valid ? el : -2 - lane);
+  const bool first = valid && (same & lanemask_lt()) == 0;
+  const int fid = first ? el : 0x7fffffff;  // the distinct valid ids, in their first lanes
+  int below = 0;
+  for (int b = 0; b < L.R; ++b) below += __shfl_sync(kFull, fid, b) < el ? 1 : 0;
+  const int row = valid && below < rows_cap ? below : -1;  // this lane's entry's row
+  if (books) {
+    for (int e0 = warp * 32; e0 <= L.El; e0 += nbook * 32) {  // rows of the experts below e
+      const int e = e0 + lane;
+      int at = 0;
+      for (int b = 0; b < L.R; ++b) at += __shfl_sync(kFull, fid, b) < e ? 1 : 0;
+      if (e <= L.El) a.out_offsets[e] = min(at, rows_cap);
+    }
+    if (warp == 0) {
+      trace_mark(L, kTrReady, -1);
+      if (lane < L.R) a.out_token_rows[item * L.R + lane] = row;
+      if (lane == 0) a.out_token_index[item] = tok;
+      if (first && row >= 0) {
+        a.out_weights[row] = __int_as_float(wi);
+        a.out_src_rank[row] = sr;
+        a.out_src_token[row] = tok;
+      }
+      for (int x = lane; x < L.A; x += 32) a.out_num_tokens[x] = x == ai ? 1 : 0;
+    }
+  }
+  return __shfl_sync(kFull, row, r);
+}
+
 // F_LL_EXPERTS, the expert layout's receive of flagged units (kUnitExpRecv). Every region is
 // booked (s_cnt: its tokens, 0 on a bucket mismatch; s_form: it came as units) and s_tab was
 // zeroed before the waits. No per-expert counts travel: an entry's position is its rank among
 // its region's entries of that expert (the sender's claim), so a region's rows of an expert
 // are its largest position + 1, read from the metadata units. Then as expand: the offsets, the
 // receipts, and (token, entry, chunk) units, each copying its chunk of the row from the units
-// into the expert-major row as they land.
+// into the expert-major row as they land. F_LONE_EXPAND: where one token arrived in all, no
+// table, no scan and no barrier: each unit's warp works out its row from the token's entries
+// (lone_row).
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1061,33 +1106,51 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   // (a region that came as a count block is a bucket mismatch, booked empty: every sender of
   // this form declares its bucket, Comm::dispatch)
   for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
-  bool ok = true;
-  for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major
-    const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
-    if (!s_form[g] || j >= s_cnt[g]) continue;
-    const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
-    int tok, nloc, el, wi, pos;
-    ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
-                          L.rank_of_attn[ai], tok, nloc, el, wi, pos);
-    if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
-      atomicMax(&s_tab[g * El + el], pos + 1);
+  // F_LONE_EXPAND: lone = the one region that holds a token, when one token arrived in all
+  // (regions hold at most stride = 1 token here, kLLXTokens); s_rb[nreg] holds it until
+  // finish_offsets writes the total there on the table's path
+  int lone = -1;
+  if ((L.flags & F_LONE_EXPAND) && nreg <= (int)blockDim.x) {
+    const bool holds = tid < nreg && s_form[tid] && s_cnt[tid] > 0;
+    if (holds) s_rb[nreg] = tid;
+    if (__syncthreads_count(holds) == 1 && s_cnt[s_rb[nreg]] == 1) lone = s_rb[nreg];
   }
-  if (!__syncthreads_and(ok ? 1 : 0)) return;
-  trace_mark(L, kTrTable, -1);
-  scan_expert_rows(s_tab, s_off, nreg, El);
-  finish_offsets(L, a, s_off, s_rb);
+  if (lone < 0) {
+    bool ok = true;
+    for (int q = warp; q < nreg * stride && ok; q += kWarps) {  // slot-major
+      const int j = fast_div(q, L.div_nreg), g = q - j * nreg;
+      if (!s_form[g] || j >= s_cnt[g]) continue;
+      const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
+      int tok, nloc, el, wi, pos;
+      ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
+                            L.rank_of_attn[ai], tok, nloc, el, wi, pos);
+      if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
+        atomicMax(&s_tab[g * El + el], pos + 1);
+    }
+    if (!__syncthreads_and(ok ? 1 : 0)) return;
+    trace_mark(L, kTrTable, -1);
+    scan_expert_rows(s_tab, s_off, nreg, El);
+    finish_offsets(L, a, s_off, s_rb);
+  }
   const int rows_cap = L.A * a.bucket * L.R;
   const int nv = L.row_bytes / 16;
-  const int items = s_rb[nreg] * L.R;
+  const int items = (lone >= 0 ? 1 : s_rb[nreg]) * L.R;
   const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
   const int lg = chunk_log2_fill(items, nw, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg;
   for (int u = gw; u < (items << lg); u += nw) {
     const int h = u & ((1 << lg) - 1), it = u >> lg;
     const int q = fast_div(it, L.div_R), r = it - q * L.R;
-    const int g = upper_index(s_rb, nreg, q);
-    int ai, ch, j, s;
-    if (!locate_token(L, a, s_rb, q, g, lane == 0 && r == 0 && h == 0, ai, ch, j, s)) continue;
+    int g, ai, ch, j, s;
+    if (lone >= 0) {  // token 0: its region's slot 0, its source's receipt slot 0
+      g = lone;
+      ai = fast_div(g, L.div_S);
+      ch = g - ai * L.S;
+      j = s = 0;
+    } else {
+      g = upper_index(s_rb, nreg, q);
+      if (!locate_token(L, a, s_rb, q, g, lane == 0 && r == 0 && h == 0, ai, ch, j, s)) continue;
+    }
     const int sr = L.rank_of_attn[ai];
     const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
     const uint64_t* ur = ut + L.meta_ints;  // the row: four units per 16-byte vector
@@ -1100,12 +1163,18 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
     int tok, nloc, el, wi, pos;
     if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
-    el = __shfl_sync(kFull, el, r);  // entry r: lane r's
-    pos = __shfl_sync(kFull, pos, r);
-    wi = __shfl_sync(kFull, wi, r);
     const size_t item = (size_t)ai * a.bucket + s;
-    const int row = entry_row(L, a, s_off, s_tab, g, r < nloc ? el : -1, pos, rows_cap, item, r,
-                              tok, __int_as_float(wi), sr, h == 0 && lane == 0);
+    int row;
+    if (lone >= 0) {  // CTA 0's unit warps (at least warp 0) write the offsets and the receipt
+      row = lone_row(L, a, r, nloc, el, pos, wi, tok, ai, sr, item, c == 0 && u == gw,
+                     min(items << lg, kWarps));
+    } else {
+      el = __shfl_sync(kFull, el, r);  // entry r: lane r's
+      pos = __shfl_sync(kFull, pos, r);
+      wi = __shfl_sync(kFull, wi, r);
+      row = entry_row(L, a, s_off, s_tab, g, r < nloc ? el : -1, pos, rows_cap, item, r, tok,
+                      __int_as_float(wi), sr, h == 0 && lane == 0);
+    }
     if (row < 0) continue;
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
     bool got = true;

@@ -434,6 +434,54 @@ def test_ll_experts_sanitizer_small(dtype):
         seed=23)
 
 
+# AFDEP_LONE_EXPAND (on by default): the expert layout's units receive where one token arrived
+# in all (kUnitExpRecv) takes the token's rows from its own entries, without the count table.
+# The default's lone exchanges also run in the T = 1 cells of the tests above and in the
+# hostile graphs; test_trace_stages_are_ordered shows the path ran (no count-table stamp at
+# T = 1)
+LONE_BIT = controls.CONTROLS["AFDEP_LONE_EXPAND"].bit
+
+
+def lone_plan(A):
+    """Exchanges in which every FFN rank receives at most one token in all (its rows then come
+    from AFDEP_LONE_EXPAND's path), between ones where it receives none or several: T = 1 on
+    one source at buckets 1, 2, 8 and 24 in every routing kind ("partial" drops entries, so
+    some tokens reach fewer experts or none), T = 0 everywhere, and 2 + 1 + ... tokens."""
+    def one(i):
+        return [1 if a == i % A else 0 for a in range(A)]
+    return [(1, one(0), "random"), (8, one(1), "partial"), (24, one(2), "skewed"),
+            (8, [0] * A, "random"), (24, [2] + [1] * (A - 1), "random"),
+            (2, one(3), "partial"), (24, one(4), "partial"), (1, one(5), "skewed")]
+
+
+@pytest.mark.parametrize("value", ["1", "0"], ids=["on", "reverted"])
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_lone_expand_eager(layout, dtype, value):
+    """AFDEP_LONE_EXPAND=1 (the default) and 0: every exchange of lone_plan exact on every rank
+    (the FFN's rows in expert order, offsets, weights, payload bits and receipts against every
+    source; the Attention's output against the fp64 reference), every receive in
+    kUnitExpRecv."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 24, 2048, dtype), lone_plan(A),
+              env={"AFDEP_LONE_EXPAND": value}, seed=71)
+    for r, st in enumerate(res):
+        assert bool(st["flags"] & LONE_BIT) == (value == "1"), (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert st["forms"][0] == {"kUnitExpRecv"}, (r, st["forms"])
+
+
+@pytest.mark.parametrize("value", ["1", "0"], ids=["on", "reverted"])
+@pytest.mark.parametrize("dtype,bucket", [("bfloat16", 1), ("float8_e4m3fn", 8)])
+def test_lone_expand_graph_replays(dtype, bucket, value):
+    """AFDEP_LONE_EXPAND=1 (the default) and 0, 100 checked graph replays of a 1A1F exchange
+    of one token (fresh ids and weights each replay, some entries -1: the token reaches 0-8
+    experts), the receive in kUnitExpRecv."""
+    graph_replays_1a1f(dtype, bucket, 1, {"AFDEP_LONE_EXPAND": value}, 9900,
+                       forms=(("kUnitExpRecv", None), ("kSmallSend", None)))
+
+
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
 # on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
 # run in every other small-T test; these revert it, or run it on small grids
@@ -645,9 +693,12 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
                  s["    A CTA0: first loads arrived -> tokens claimed"]]
         assert all(0 <= p for p in loads), (r["tokens"], loads)
         assert abs(sum(loads) - parts[0]) < 0.5, (r["tokens"], loads, parts[0])
-        if layout == "experts":  # the token layout's receive has no count table
-            assert 0 <= s["  F CTA0: counts seen -> count table loaded"] <= \
-                s["F counts seen -> offsets ready"], s
+        table = "  F CTA0: counts seen -> count table loaded"
+        if layout == "experts" and r["tokens"] == 1:
+            # one token in all: AFDEP_LONE_EXPAND (on by default) builds no count table
+            assert table not in s and s["F counts seen -> offsets ready"] >= 0, s
+        elif layout == "experts":  # the token layout's receive has no count table
+            assert 0 <= s[table] <= s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \
             s["F reply (start -> last CTA signalled)"], s
         if layout == "tokens" and r["tokens"] == 1:  # the reply's early loads

@@ -156,6 +156,38 @@ def test_units_hostile_graph_replays(layout, arm):
         assert s["route_errors"] > 0, s
 
 
+# The same kinds where every FFN rank receives one token in all (AFDEP_LONE_EXPAND's path in
+# kUnitExpRecv: the token's rows from its own entries, no count table), or none
+SCEN_LONE = {
+    "1A1F": [sc("bad_ids", [1], 6), sc("dups", [1], 6, "int32"), sc("nonfinite", [1], 3),
+             sc("one_expert", [1], 4), sc("no_route", [1], 2), sc("mixed", [1], 4)],
+    "2A2F": [sc("bad_ids", [1, 0], 6), sc("dups", [0, 1], 6, "int32"),
+             sc("nonfinite", [1, 0], 3), sc("one_expert", [0, 1], 4), sc("no_route", [1, 0], 2),
+             sc("mixed", [0, 1], 4)],
+}
+
+
+@pytest.mark.parametrize("arm", ["defaults", "lone_off"])
+@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
+def test_lone_expand_hostile_graph_replays(layout, arm):
+    """test_units_hostile_graph_replays' kinds (and the mixed one) with one token in all from
+    one source at bucket 48 over 48 channels: the expert layout's dispatch as units
+    (kSmallSend, kUnitExpRecv), whose receive takes AFDEP_LONE_EXPAND's path with the defaults
+    (lone_off: AFDEP_LONE_EXPAND=0, the count table). Out-of-range ids reported on the
+    Attention rank after the replays that had them, duplicates counted once, every valid entry
+    exact on every rank, NaN / Inf passed through, a token without a route giving zeros."""
+    scen = SCEN_LONE[layout]
+    env = {"defaults": {}, "lone_off": {"AFDEP_LONE_EXPAND": "0"}}[arm]
+    stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=13, env=env)
+    lone = controls.CONTROLS["AFDEP_LONE_EXPAND"].bit
+    for s in stats:
+        assert s["checked"] == _replays(scen), s
+        assert bool(s["flags"] & lone) == (arm == "defaults"), (arm, hex(s["flags"]))
+        want = {"ffn": "kUnitExpRecv", "attention": "kSmallSend"}[s["role"]]
+        assert s["forms"][0] == {want}, s["forms"]
+    assert sum(s["route_errors"] for s in _att(stats)) > 0, stats
+
+
 @pytest.mark.parametrize("layout,experts,llx", [("1A1F", 128, False), ("2A2F", 128, False),
                                                 ("2A2F", 8, False), ("2A2F", 8, True)],
                          ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip",

@@ -40,6 +40,8 @@ namespace afdep {
   X(LONE_TOKEN, 17)         /* flagged units, a sender CTA of one token: its slot is 0 in     \
                                every region, so the other warps store its units while warp 0  \
                                claims it (no slot counters, no barrier between) */            \
+  X(LONE_EXPAND, 18)        /* the expert layout's units receive, one token in all: its rows  \
+                               from its own entries, no count table */                        \
   X(LL_EXPERTS, 19)         /* small buckets: the expert layout's dispatch as flagged units   \
                                too; the FFN counts rows per (region, expert) from the         \
                                metadata units */                                              \
