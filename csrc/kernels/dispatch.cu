@@ -1108,18 +1108,23 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
   // F_LONE_EXPAND: lone = the one region that holds a token, when one token arrived in all
   // (regions hold at most stride = 1 token here, kLLXTokens). Each warp reads the booked
-  // counts itself, 32 regions a step, and stops at a second token: no barrier in front of the
-  // table's pass (with a __syncthreads_count there, T = 2 was 1.5% slower, H100)
+  // counts itself, 32 regions a step (both words loaded together), and stops at a second
+  // token: no barrier in front of the table's pass
   int lone = -1;
   if (L.flags & F_LONE_EXPAND) {
-    int held = 0, at = -1;
+    int held = 0, at = -1, one = 0;
     for (int g0 = 0; g0 < nreg && held <= 1; g0 += 32) {
-      const int g = g0 + lane;
-      const unsigned b = __ballot_sync(kFull, g < nreg && s_form[g] && s_cnt[g] > 0);
-      if (b && at < 0) at = g0 + __ffs(b) - 1;
+      const int g = min(g0 + lane, nreg - 1);
+      const int form = s_form[g], cnt = s_cnt[g];
+      const bool holds = g0 + lane < nreg && form && cnt > 0;
+      const unsigned b = __ballot_sync(kFull, holds);
+      if (b && at < 0) {
+        at = g0 + __ffs(b) - 1;
+        one = __shfl_sync(kFull, cnt, __ffs(b) - 1) == 1;
+      }
       held += __popc(b);
     }
-    if (held == 1 && s_cnt[at] == 1) lone = at;
+    if (held == 1 && one) lone = at;
   }
   if (lone < 0) {
     bool ok = true;
