@@ -455,17 +455,20 @@ __device__ __forceinline__ void trace_mark(const Layout& L, int pt, int max_pt) 
 }
 
 // Last thing before end_launch (thread 0): CTA 0's stamps into the ring slot of exchange n
-// of `phase`; every CTA folds its latest-over-CTAs points in with atomicMax.
+// of `phase`, 0 for a point this launch did not reach (else the slot's exchange of kTraceRing
+// launches before would show through, e.g. a count table where a lone token's receive built
+// none); every CTA folds its latest-over-CTAs points in with atomicMax (always reached).
 __device__ __forceinline__ void trace_flush(const Layout& L, int phase, uint64_t n) {
   if (L.trace == nullptr || threadIdx.x != 0) return;
   const uint64_t* s = trace_stamps();
   uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
   for (int i = 0; i < kTracePts; ++i) {
-    if (s[i] == 0) continue;
-    if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd)
-      atomicMax(reinterpret_cast<unsigned long long*>(p + i), (unsigned long long)s[i]);
-    else if (blockIdx.x == 0)
+    if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd) {
+      if (s[i] != 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(p + i), (unsigned long long)s[i]);
+    } else if (blockIdx.x == 0) {
       p[i] = s[i];
+    }
   }
 }
 

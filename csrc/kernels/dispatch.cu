@@ -1110,6 +1110,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   // (regions hold at most stride = 1 token here, kLLXTokens). Each warp reads the booked
   // counts itself, 32 regions a step (both words loaded together), and stops at a second
   // token: no barrier in front of the table's pass
+  static_assert(kLLXTokens == 1, "lone_row takes position 0 and receipt slot 0");
   int lone = -1;
   if (L.flags & F_LONE_EXPAND) {
     int held = 0, at = -1, one = 0;

@@ -460,16 +460,22 @@ def lone_plan(A):
                                           ("1A3F", "bfloat16")])
 def test_lone_expand_eager(layout, dtype, value):
     """AFDEP_LONE_EXPAND=1 (the default) and 0: every exchange of lone_plan exact on every rank
-    (the FFN's rows in expert order, offsets, weights, payload bits and receipts against every
-    source; the Attention's output against the fp64 reference), every receive in
-    kUnitExpRecv."""
+    (the FFN's rows, offsets, weights, payload bits and receipts against every source; the
+    Attention's output against the fp64 reference), every receive in kUnitExpRecv. With the
+    stage trace on: the receives of one token in all built no count table with the control on
+    (the lone path ran), every other receive built one."""
     A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 24, 2048, dtype), lone_plan(A),
-              env={"AFDEP_LONE_EXPAND": value}, seed=71)
+    plan = lone_plan(A)
+    res = run(layout, cfg_kw(layout, 24, 2048, dtype), plan,
+              env={"AFDEP_LONE_EXPAND": value, "AFDEP_TRACE": "1"}, seed=71)
     for r, st in enumerate(res):
         assert bool(st["flags"] & LONE_BIT) == (value == "1"), (r, hex(st["flags"]))
         if st["role"] == "ffn":
             assert st["forms"][0] == {"kUnitExpRecv"}, (r, st["forms"])
+            assert len(st["tables"]) == len(plan), (r, st["tables"])
+            for i, (got, table) in enumerate(st["tables"]):
+                assert table == (value == "0" or got != 1), (r, i, got, table)
+            assert any(got == 1 for got, _ in st["tables"]), (r, st["tables"])
 
 
 @pytest.mark.parametrize("value", ["1", "0"], ids=["on", "reverted"])
@@ -659,9 +665,9 @@ def test_sanitizer_small():
 @pytest.mark.parametrize("layout", ["experts", "tokens"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
-    a T = 1 and a T = 128 exchange is recorded and the CTA-0 sub-stages (claim, payload,
-    signal; the claim's first loads; count table; reply rows and, in the token layout at
-    T = 1, the reply's first row loaded) are non-negative and add up within the stage they
+    a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
+    payload, signal; the claim's first loads; count table; reply rows and, in the token layout
+    at T = 1, the reply's first row loaded) are non-negative and add up within the stage they
     split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend."""
     import json
@@ -673,12 +679,14 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         pytest.skip("benchmarks.trace needs two GPUs, or one with CUDA MPS running")
 
     out = tmp_path / "trace.json"
-    assert trace.main(["--tokens", "1", "128", "--arms", "afdep", "--replays", "20",
+    # T = 1 again after T = 128 in the same buffer: its ring slots held T = 128's exchanges
+    # (40 replays a cell wrap the 64-slot ring), whose count-table stamps must not show through
+    assert trace.main(["--tokens", "1", "128", "1", "--arms", "afdep", "--replays", "40",
                        "--receive-layout", layout, "--out", str(out)]
                       + (["--afdep-env", *afdep_env] if afdep_env else [])) == 0
     data = json.loads(out.read_text())
     rows = data["results"]["afdep"][0]
-    assert [r["tokens"] for r in rows] == [1, 128]
+    assert [r["tokens"] for r in rows] == [1, 128, 1]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
