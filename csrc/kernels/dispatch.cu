@@ -1106,26 +1106,23 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   // (a region that came as a count block is a bucket mismatch, booked empty: every sender of
   // this form declares its bucket, Comm::dispatch)
   for (int g = tid; g < nreg; g += blockDim.x) s_rb[g] = s_form[g] ? s_cnt[g] : 0;
-  // F_LONE_EXPAND: lone = the one region that holds a token, when one token arrived in all
-  // (regions hold at most stride = 1 token here, kLLXTokens). Each warp reads the booked
-  // counts itself, 32 regions a step (both words loaded together), and stops at a second
-  // token: no barrier in front of the table's pass
+  // F_LONE_EXPAND: lone = the one region that holds a token, when one token arrived in all (a
+  // region holds at most stride = 1 token here, kLLXTokens, as book_region clamps its count,
+  // so the regions that hold one are the tokens). Each warp reads the booked counts itself, 32
+  // regions a step (both words loaded together), and stops at a second token: no barrier in
+  // front of the table's pass
   static_assert(kLLXTokens == 1, "lone_row takes position 0 and receipt slot 0");
   int lone = -1;
   if (L.flags & F_LONE_EXPAND) {
-    int held = 0, at = -1, one = 0;
+    int held = 0, at = -1;
     for (int g0 = 0; g0 < nreg && held <= 1; g0 += 32) {
       const int g = min(g0 + lane, nreg - 1);
       const int form = s_form[g], cnt = s_cnt[g];
-      const bool holds = g0 + lane < nreg && form && cnt > 0;
-      const unsigned b = __ballot_sync(kFull, holds);
-      if (b && at < 0) {
-        at = g0 + __ffs(b) - 1;
-        one = __shfl_sync(kFull, cnt, __ffs(b) - 1) == 1;
-      }
+      const unsigned b = __ballot_sync(kFull, g0 + lane < nreg && form && cnt > 0);
+      if (b && at < 0) at = g0 + __ffs(b) - 1;
       held += __popc(b);
     }
-    if (held == 1 && one) lone = at;
+    if (held == 1) lone = at;
   }
   if (lone < 0) {
     bool ok = true;

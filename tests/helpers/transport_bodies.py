@@ -90,11 +90,6 @@ def check_attention(cfg, x, ids, w, sc, route, out, tol=1.5e-2, previous=None) -
                             tol=tol, previous=previous)
 
 
-# csrc/include/afdep/layout.h TracePoint kTrTable: the expert layout's receive built its count
-# table (benchmarks.trace's TABLE)
-TR_TABLE = 11
-
-
 def _transport(cfg, rank):
     from torch_afdep.transport.cuda import CudaTransport
 
@@ -162,8 +157,10 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
                 check_ffn(cfg, idx, o, inputs)
                 tr = t.trace()
                 if tr is not None:  # AFDEP_TRACE=1: (tokens received, count table stamped)
+                    from benchmarks.trace import TABLE  # the trace point's index
+
                     stamps, (n_disp, _) = tr
-                    table = bool(stamps[n_disp % stamps.shape[0], 0, TR_TABLE] != 0)
+                    table = bool(stamps[n_disp % stamps.shape[0], 0, TABLE] != 0)
                     stats.setdefault("tables", []).append((int(o.num_tokens.sum()), table))
             else:
                 x, ids, w, sc = inputs[idx]
