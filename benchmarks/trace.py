@@ -212,7 +212,8 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             buf.transport.check_error()
             stamps, ctr = buf.transport.trace()
             got: List[Any] = [None] * world
-            dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr), group=rk.ctrl)
+            dist.all_gather_object(got, (rk.role, stamps.tolist(), ctr,
+                                         c.extra.get("kernel_forms")), group=rk.ctrl)
             if rk.is_attention:
                 for pos in range(k):
                     row = summarize(T, got, lat, spec["replays"], st.tolist(), per_replay=k,
@@ -220,8 +221,10 @@ def body(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
                     # host time of graph.replay() (the graph launch call): when it outlasts the
                     # queue-ahead sleep, the GPU waits for the host inside the measured interval
                     row["host_replay_us"] = _spread([(b - a) * 1e6 for a, b in host])
-                    # the Attention's kernel forms in the graph: [dispatch, collect]
+                    # the Attention's kernel forms in the graph: [dispatch, collect]; the
+                    # (first) FFN rank's: [receive, reply]
                     row["kernel_forms"] = c.extra.get("kernel_forms")
+                    row["ffn_kernel_forms"] = next(g[3] for g in got if g[0] == "ffn")
                     out["rows"].append(row)
             del graph
             c.release()
@@ -242,13 +245,14 @@ def summarize(T: int, got, lat: List[float], replays: int,
     """Per-stage medians (``stages_us``) and median / p90 / max (``spread_us``) over the
     exchanges at ``position`` of each replay among the last min(replays * per_replay,
     ring - 1). ``got``: per rank (role, stamps [ring][2][points], (dispatch, combine) exchange
-    numbers); ``lat``: the timed replays' event latencies, µs; ``st``: per timed replay the
-    Attention stream's (after start, before end) stamps, ns. Each replay runs ``per_replay``
-    exchanges and the last timed replay ends with the last exchange, so exchange n is replay
-    len(lat) - 1 - (last - n) // per_replay at position per_replay - 1 - (last - n) %
-    per_replay. The event latency is the replay's (all its exchanges); the start stamp's stage
-    belongs to position 0, the end stamp's to the last; the outside-kernel line (the replay's
-    interval less one exchange's kernels) only with per_replay 1."""
+    numbers, ...: further items unread); ``lat``: the timed replays' event latencies, µs;
+    ``st``: per timed replay the Attention stream's (after start, before end) stamps, ns.
+    Each replay runs ``per_replay`` exchanges and the last timed replay ends with the last
+    exchange, so exchange n is replay len(lat) - 1 - (last - n) // per_replay at position
+    per_replay - 1 - (last - n) % per_replay. The event latency is the replay's (all its
+    exchanges); the start stamp's stage belongs to position 0, the end stamp's to the last;
+    the outside-kernel line (the replay's interval less one exchange's kernels) only with
+    per_replay 1."""
     att = next(g for g in got if g[0] == "attention")
     ffn = next(g for g in got if g[0] == "ffn")
     ring = len(att[1])

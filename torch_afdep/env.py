@@ -167,6 +167,15 @@ _CONTROLS = (
              "AFDEP_EARLY_LOADS, AFDEP_SMALL_KERNELS and the four directional controls; 0 = "
              "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
              "the rows"),
+    _control("AFDEP_FANOUT_EXPAND", 21, 0,
+             "experimental, off by default (written without a GPU in session 39, not yet run on "
+             "one): the expert layout's receive of flagged units (AFDEP_LL_EXPERTS) in its own "
+             "form, kUnitExpFan, whose units are (token, chunk of its row) instead of (token, "
+             "entry, chunk): a warp loads the token's metadata units and its chunk's row units "
+             "once and stores the chunk into every row of the token's entries, the chunks one "
+             "warp on each of several CTAs; at T = 1 (8 rows at 1A1F) 16 warps load the row's "
+             "units once where 128 warps loaded each chunk 8 times and the metadata units 128 "
+             "times; the same outputs; 0 = kUnitExpRecv, one unit per (token, entry, chunk)"),
     _control("AFDEP_SPREAD_CHUNKS", 22, 1,
              "the small-T forms that move a small row's chunks (the reply's kSmallSend and "
              "kUnitReply, the collect's kSmallRecv and kEarlyCollect, the token layout's "

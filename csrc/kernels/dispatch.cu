@@ -1083,6 +1083,50 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
   return __shfl_sync(kFull, row, r);
 }
 
+// kUnitExpFan (expand_units<true>), one warp: vectors [v0, v1) of a token's row (its units at
+// ur; x0..x3: this lane's first vector's units, loaded with the metadata) into every row that
+// a lane's entry took (row >= 0; a repeated row is stored twice, with the same values), and
+// with `scales` the row's scales. Lanes step through the chunk together, so that each
+// vector's stores can take the rows by shuffles. False at a deadline (reported), in every lane.
+__device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a,
+                                          const uint64_t* ur, uint64_t x0, uint64_t x1,
+                                          uint64_t x2, uint64_t x3, uint32_t llf,
+                                          uint64_t deadline, int sr, int row, int v0, int v1,
+                                          bool scales) {
+  const int lane = threadIdx.x & 31;
+  const unsigned rows = __ballot_sync(kFull, row >= 0);
+  if (rows == 0) return true;
+  const int nv = L.row_bytes / 16;
+  char* const out = static_cast<char*>(a.out_x);
+  bool got = true;
+  for (int w0 = v0; w0 < v1; w0 += 32) {
+    const int v = w0 + lane;
+    int4 x = make_int4(0, 0, 0, 0);
+    if (v < v1 && got) {
+      if (w0 == v0 && ll_fresh(x0, llf) && ll_fresh(x1, llf) && ll_fresh(x2, llf) &&
+          ll_fresh(x3, llf))
+        x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
+      else
+        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
+    }
+    for (unsigned m = rows; m != 0; m &= m - 1) {
+      const int dr = __shfl_sync(kFull, row, __ffs(m) - 1);
+      if (v < v1 && got) reinterpret_cast<int4*>(out + (size_t)dr * L.row_bytes)[v] = x;
+    }
+  }
+  for (int q0 = 0; scales && q0 < L.scale_cols; q0 += 32) {
+    const int q = q0 + lane;
+    int wd = 0;
+    if (q < L.scale_cols && got)
+      got = wait_ll(ur + 4 * (size_t)nv + q, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, wd);
+    for (unsigned m = rows; m != 0; m &= m - 1) {
+      const int dr = __shfl_sync(kFull, row, __ffs(m) - 1);
+      if (q < L.scale_cols && got) a.out_scales[(size_t)dr * L.scale_cols + q] = __int_as_float(wd);
+    }
+  }
+  return __all_sync(kFull, got);
+}
+
 // F_LL_EXPERTS, the expert layout's receive of flagged units (kUnitExpRecv). Every region is
 // booked (s_cnt: its tokens, 0 on a bucket mismatch; s_form: it came as units) and s_tab was
 // zeroed before the waits. No per-expert counts travel: an entry's position is its rank among
@@ -1092,6 +1136,11 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
 // into the expert-major row as they land. F_LONE_EXPAND: where one token arrived in all, no
 // table, no scan and no barrier: each unit's warp works out its row from the token's entries
 // (lone_row).
+// kFan (kUnitExpFan, F_FANOUT_EXPAND): (token, chunk) units instead, lane r working out entry
+// r's row; the warp loads its chunk's units once and stores each vector into every row of the
+// token (kUnitExpRecv's warps of a token's R entries each loaded the chunk and the token's
+// metadata units again), and the chunks go one warp to a CTA (grid_warp's spread mapping)
+template <bool kFan = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1143,13 +1192,18 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   }
   const int rows_cap = L.A * a.bucket * L.R;
   const int nv = L.row_bytes / 16;
-  const int items = (lone >= 0 ? 1 : s_rb[nreg]) * L.R;
-  const int nw = gridDim.x * kWarps, gw = c * kWarps + warp;
+  const int items = (lone >= 0 ? 1 : s_rb[nreg]) * (kFan ? 1 : L.R);
+  const int nw = gridDim.x * kWarps, gw = grid_warp<kFan>(warp, kWarps);
   const int lg = chunk_log2_fill(items, nw, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg;
+  // lone_row's book-keeping warps: CTA 0's warps that hold a unit in the first pass (warps
+  // 0 .. nbook - 1 in either mapping; kFan's warp w of CTA 0 holds unit w * gridDim.x)
+  int nbook = min(items << lg, kWarps);
+  if (kFan)  // (a ballot, not a division: the small forms have none)
+    nbook = __popc(__ballot_sync(kFull, lane < kWarps && lane * (int)gridDim.x < (items << lg)));
   for (int u = gw; u < (items << lg); u += nw) {
     const int h = u & ((1 << lg) - 1), it = u >> lg;
-    const int q = fast_div(it, L.div_R), r = it - q * L.R;
+    const int q = kFan ? it : fast_div(it, L.div_R), r = kFan ? lane : it - q * L.R;
     int g, ai, ch, j, s;
     if (lone >= 0) {  // token 0: its region's slot 0, its source's receipt slot 0
       g = lone;
@@ -1175,14 +1229,20 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     const size_t item = (size_t)ai * a.bucket + s;
     int row;
     if (lone >= 0) {  // CTA 0's unit warps (at least warp 0) write the offsets and the receipt
-      row = lone_row(L, a, r, nloc, el, pos, wi, tok, ai, sr, item, c == 0 && u == gw,
-                     min(items << lg, kWarps));
+      row = lone_row(L, a, r, nloc, el, pos, wi, tok, ai, sr, item, c == 0 && u == gw, nbook);
     } else {
-      el = __shfl_sync(kFull, el, r);  // entry r: lane r's
-      pos = __shfl_sync(kFull, pos, r);
-      wi = __shfl_sync(kFull, wi, r);
+      if (!kFan) {  // entry r: lane r's (kFan: r is this lane)
+        el = __shfl_sync(kFull, el, r);
+        pos = __shfl_sync(kFull, pos, r);
+        wi = __shfl_sync(kFull, wi, r);
+      }
       row = entry_row(L, a, s_off, s_tab, g, r < nloc ? el : -1, pos, rows_cap, item, r, tok,
-                      __int_as_float(wi), sr, h == 0 && lane == 0);
+                      __int_as_float(wi), sr, h == 0 && (kFan ? r < L.R : lane == 0));
+    }
+    if (kFan) {
+      if (!fan_chunk(L, a, ur, x0, x1, x2, x3, llf, deadline, sr, row, v0, v1, h == 0))
+        return;
+      continue;
     }
     if (row < 0) continue;
     int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.out_x) + (size_t)row * L.row_bytes);
@@ -1443,7 +1503,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       // takes the second path: the fence, then those regions' counts
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
-      if (kForm == kUnitExpRecv)  // expand_units' rows per (region, expert), zeroed meanwhile
+      if (form_unit_exp(kForm))  // expand_units' rows per (region, expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
         const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
@@ -1493,8 +1553,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (fence) sys_fence_after_wait();
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
-      if (kForm == kUnitExpRecv)
-        expand_units(L, a, n, deadline, smem);
+      if (form_unit_exp(kForm))
+        expand_units<kForm == kUnitExpFan>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1542,7 +1602,11 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
   // F_LL_EXPERTS (its needs hold F_SMALL_KERNELS and the directional controls): only these
   // forms hold the expert layout's units, so they run with debug output on too
   // (a launch of both roles, the last case, cannot occur with the directional controls)
-  if (L.llx && llx_exchange(L, a)) return send ? kSmallSend : recv ? kUnitExpRecv : kGeneric;
+  // (F_FANOUT_EXPAND: kUnitExpFan instead of kUnitExpRecv)
+  if (L.llx && llx_exchange(L, a))
+    return send ? kSmallSend
+           : recv ? ((L.flags & F_FANOUT_EXPAND) ? kUnitExpFan : kUnitExpRecv)
+                  : kGeneric;
   // F_RAW_META (its needs hold F_SMALL_KERNELS and the directional controls): only these forms
   // know the raw metadata, so, as above, they run with debug output on too
   if (L.ll && raw_meta(L) && ll_exchange(L, a))
@@ -1579,6 +1643,7 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
+  if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
   return e;
 }
@@ -1613,6 +1678,8 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
       return launch_transport_kernel(dispatch_kernel<kCountRecv>, L, a, grid, smem, stream);
     case kUnitExpRecv:
       return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
+    case kUnitExpFan:
+      return launch_transport_kernel(dispatch_kernel<kUnitExpFan>, L, a, grid, smem, stream);
     case kCountRecvLL:
       return launch_transport_kernel(dispatch_kernel<kCountRecvLL>, L, a, grid, smem, stream);
     default:

@@ -488,6 +488,62 @@ def test_lone_expand_graph_replays(dtype, bucket, value):
                        forms=(("kUnitExpRecv", None), ("kSmallSend", None)))
 
 
+# AFDEP_FANOUT_EXPAND (experimental, off by default): the expert layout's units receive in its
+# own form, kUnitExpFan, whose (token, chunk) units each store a chunk of the token's row into
+# every row of its entries; both of its paths: the lone token's (AFDEP_LONE_EXPAND) and the
+# count table's
+FANOUT = {"AFDEP_FANOUT_EXPAND": "1"}
+FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
+
+
+@pytest.mark.parametrize("lone", ["1", "0"], ids=["lone", "lone_off"])
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_fanout_expand_eager(layout, dtype, lone):
+    """AFDEP_FANOUT_EXPAND=1: every exchange of lone_plan, then llx_plan (units at buckets up to
+    24 with 1-24 tokens; the count form above, kCountRecvLL), exact on every rank (the FFN's
+    rows, offsets, weights, payload bits and receipts against every source; the Attention's
+    output against the fp64 reference); every units receive in kUnitExpFan. With the stage
+    trace: with AFDEP_LONE_EXPAND on (lone) the receives of one token in all built no count
+    table, every other units receive built one; lone_off: every units receive built one."""
+    A = LAYOUTS[layout][1]
+    plan = lone_plan(A) + llx_plan(A)
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), plan,
+              env={**FANOUT, **LLX, "AFDEP_LONE_EXPAND": lone, "AFDEP_TRACE": "1"}, seed=73)
+    for r, st in enumerate(res):
+        assert st["flags"] & FANOUT_BIT, (r, hex(st["flags"]))
+        assert bool(st["flags"] & LONE_BIT) == (lone == "1"), (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert "kUnitExpFan" in st["forms"][0], (r, st["forms"])
+            assert "kUnitExpRecv" not in st["forms"][0], (r, st["forms"])
+            assert len(st["tables"]) == len(plan), (r, st["tables"])
+            for i, (got, table) in enumerate(st["tables"][:len(lone_plan(A))]):
+                assert table == (lone == "0" or got != 1), (r, i, got, table)
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 8, 1),
+                                                 ("bfloat16", 24, 24), ("float8_e4m3fn", 8, 7)],
+                         ids=["bf16-B1-T1", "fp8-B8-T1", "bf16-B24-T24", "fp8-B8-T7"])
+def test_fanout_expand_graph_replays(dtype, bucket, tokens):
+    """AFDEP_FANOUT_EXPAND=1, 100 checked graph replays of a 1A1F exchange (fresh ids and
+    weights each replay, some entries -1), the receive in kUnitExpFan: one token (the lone
+    path) and 7 or 24 (the count table's, one token a channel at bucket 24)."""
+    graph_replays_1a1f(dtype, bucket, tokens, FANOUT, 9950,
+                       forms=(("kUnitExpFan", None), ("kSmallSend", None)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_fanout_expand_sanitizer_small(dtype):
+    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all: the lone path; 7 and
+    24: the table's), the count form at 64 and 48."""
+    kw = cfg_kw("1A1F", 64, 1024, dtype)
+    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
+                     (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random"),
+                     (1, [1], "partial")], env=FANOUT, seed=29)
+
+
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
 # on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
 # run in every other small-T test; these revert it, or run it on small grids
@@ -661,15 +717,19 @@ def test_sanitizer_small():
     run("1A1F", kw, [(32, [7], "partial"), (32, [32], "random"), (32, [0], "random")])
 
 
-@pytest.mark.parametrize("afdep_env", [[], ["AFDEP_RAW_META=1"]], ids=["defaults", "raw_meta"])
-@pytest.mark.parametrize("layout", ["experts", "tokens"])
+@pytest.mark.parametrize("layout,afdep_env", [
+    ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
+    ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"])],
+    ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
+         "experts-fanout"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
     payload, signal; the claim's first loads; count table; reply rows and, in the token layout
     at T = 1, the reply's first row loaded) are non-negative and add up within the stage they
     split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
-    stamps the claim after its copy; the expert layout keeps kSmallSend."""
+    stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
+    AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -688,8 +748,15 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     rows = data["results"]["afdep"][0]
     assert [r["tokens"] for r in rows] == [1, 128, 1]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
-        want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend"}
+        want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
+                "AFDEP_FANOUT_EXPAND=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
+    # the T = 1 receive's form
+    want_recv = {"experts": "kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
+                 else "kUnitExpRecv",
+                 "tokens": "kRawRecv" if afdep_env == ["AFDEP_RAW_META=1"] else "kSmallRecv"}
+    for r in (rows[0], rows[2]):
+        assert r["ffn_kernel_forms"][0] == want_recv[layout], r["ffn_kernel_forms"]
     assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:
         s = r["stages_us"]

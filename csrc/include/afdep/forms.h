@@ -19,17 +19,20 @@ namespace afdep {
 // row warps poll their units without a barrier behind the start units (kEarlyCollect,
 // F_EARLY_COLLECT: its code kept out of kSmallRecv); the token layout's kSmallSend and
 // kSmallRecv with a lone token's raw ids and weights as its metadata units (kRawSend,
-// kRawRecv, F_RAW_META: raw_meta in dispatch.cu).
+// kRawRecv, F_RAW_META: raw_meta in dispatch.cu); kUnitExpRecv whose units are (token, chunk
+// of its row), each chunk stored into every row of the token's entries (kUnitExpFan,
+// F_FANOUT_EXPAND: expand_units in dispatch.cu).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv and the expert layout's kSmallSend (the generic kernel
 // has no expert-layout units, so F_LL_EXPERTS needs F_SMALL_KERNELS), and kRawSend and
-// kRawRecv (the generic kernel has no raw metadata): these run with debug output on too.
+// kRawRecv (the generic kernel has no raw metadata), and kUnitExpFan as kUnitExpRecv: these run
+// with debug output on too.
 // (name, value): one list for the enum and the names the Python module exports
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kUnitExpRecv, 6) X(kCountRecvLL, 7) X(kEarlyCollect, 8)               \
-  X(kRawSend, 9) X(kRawRecv, 10)
+  X(kRawSend, 9) X(kRawRecv, 10) X(kUnitExpFan, 11)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -38,14 +41,18 @@ enum KernelForm : int {
 };
 __host__ __device__ constexpr bool form_units(int f) {
   return f == kSmallSend || f == kSmallRecv || f == kUnitExpRecv || f == kRawSend ||
-         f == kRawRecv;
+         f == kRawRecv || f == kUnitExpFan;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
   return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kRawSend;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kUnitExpRecv || f == kCountRecvLL ||
-         f == kEarlyCollect || f == kRawRecv;
+         f == kEarlyCollect || f == kRawRecv || f == kUnitExpFan;
+}
+// the expert layout's receive of flagged units (expand_units), either instantiation
+__host__ __device__ constexpr bool form_unit_exp(int f) {
+  return f == kUnitExpRecv || f == kUnitExpFan;
 }
 
 }  // namespace afdep

@@ -47,6 +47,9 @@ namespace afdep {
                                metadata units */                                              \
   X(EARLY_COLLECT, 20)      /* the token layout's flagged-unit collect: row warps poll their  \
                                units with the start units, no barrier between */              \
+  X(FANOUT_EXPAND, 21)      /* the expert layout's units receive: a unit is a chunk of a      \
+                               token's row, loaded once and stored into each of the token's   \
+                               rows (kUnitExpFan, experimental) */                            \
   X(SPREAD_CHUNKS, 22)      /* the small combine forms and the token layout's units receive: \
                                a row's chunks go to one warp on each of several CTAs, not to  \
                                one CTA's warps */                                             \
