@@ -87,6 +87,12 @@ CASES = {
                               [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_FANOUT_EXPAND (experimental): the FFN's units receive in kUnitExpFan, on both sides
+    # and beside the Attention's count block (bucket 16)
+    "ll_experts_fanout": ({"AFDEP_LL_EXPERTS": "1", "AFDEP_FANOUT_EXPAND": "1"}, dict(num_sms=8),
+                          EXCHANGES),
+    "ll_experts_fanout_ffn_units": ({"AFDEP_LL_EXPERTS": "1", "AFDEP_FANOUT_EXPAND": "1"},
+                                    dict(num_sms=8), [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
     # The flagged units on one side only, with the defaults (AFDEP_LL_SMALL and
     # AFDEP_EARLY_COLLECT on; set here all the same), in either layout: the FFN (bucket 16, 4 per
@@ -270,7 +276,8 @@ def test_bucket_mismatch_reported_on_both_roles(case):
         elif case.startswith("ll_experts"):
             units = [-(-b // cfg_kw["num_sms"]) <= 1 for b in (bucket_a, bucket_f)]
             assert a[0] == ("kSmallSend" if units[0] else "kCountSend"), (i, a)
-            assert f[0] == ("kUnitExpRecv" if units[1] else "kCountRecvLL"), (i, f)
+            unit_recv = "kUnitExpFan" if "fanout" in case else "kUnitExpRecv"
+            assert f[0] == (unit_recv if units[1] else "kCountRecvLL"), (i, f)
         if case.startswith("early_collect"):  # (T <= num_sms; above it kSmallRecv)
             tokens_layout = cfg_kw.get("receive_layout") == "tokens"
             want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]

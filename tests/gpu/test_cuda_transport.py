@@ -497,29 +497,37 @@ FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
 
 
 @pytest.mark.parametrize("lone", ["1", "0"], ids=["lone", "lone_off"])
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "bfloat16"), ("3A1F", "float8_e4m3fn"),
-                                          ("1A3F", "bfloat16")])
-def test_fanout_expand_eager(layout, dtype, lone):
+@pytest.mark.parametrize("layout,dtype,hidden,local_sms", [
+    ("1A1F", "bfloat16", 2048, 0), ("1A1F", "float8_e4m3fn", 2048, 0),
+    ("2A2F", "bfloat16", 2048, 0), ("3A1F", "float8_e4m3fn", 2048, 0), ("1A3F", "bfloat16", 2048, 0),
+    ("1A1F", "bfloat16", 4096, 1), ("1A1F", "float8_e4m3fn", 4096, 2),
+    ("2A2F", "bfloat16", 4096, 5)])
+def test_fanout_expand_eager(layout, dtype, hidden, local_sms, lone):
     """AFDEP_FANOUT_EXPAND=1: every exchange of lone_plan, then llx_plan (units at buckets up to
     24 with 1-24 tokens; the count form above, kCountRecvLL), exact on every rank (the FFN's
     rows, offsets, weights, payload bits and receipts against every source; the Attention's
     output against the fp64 reference); every units receive in kUnitExpFan. With the stage
     trace: with AFDEP_LONE_EXPAND on (lone) the receives of one token in all built no count
-    table, every other units receive built one; lone_off: every units receive built one."""
+    table, every other units receive built one; lone_off: every units receive built one.
+    local_sms 1, 2, 5 (the FFN's receive on that many CTAs): several of CTA 0's warps hold a
+    unit (lone_row's book-keeping split 16, 8, 4 ways at H4096 BF16) and warps take more than
+    one unit; 0: a CTA per SM, one unit a warp."""
     A = LAYOUTS[layout][1]
     plan = lone_plan(A) + llx_plan(A)
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), plan,
+    kw = dict(cfg_kw(layout, 128, hidden, dtype), local_sms=local_sms)
+    res = run(layout, kw, plan,
               env={**FANOUT, **LLX, "AFDEP_LONE_EXPAND": lone, "AFDEP_TRACE": "1"}, seed=73)
+    nlone = len(lone_plan(A))
     for r, st in enumerate(res):
         assert st["flags"] & FANOUT_BIT, (r, hex(st["flags"]))
         assert bool(st["flags"] & LONE_BIT) == (lone == "1"), (r, hex(st["flags"]))
         if st["role"] == "ffn":
-            assert "kUnitExpFan" in st["forms"][0], (r, st["forms"])
-            assert "kUnitExpRecv" not in st["forms"][0], (r, st["forms"])
+            # buckets <= 24 (one token a channel): units; 48 and 128: the count form
+            assert st["forms"][0] == {"kUnitExpFan", "kCountRecvLL"}, (r, st["forms"])
             assert len(st["tables"]) == len(plan), (r, st["tables"])
-            for i, (got, table) in enumerate(st["tables"][:len(lone_plan(A))]):
+            for i, (got, table) in enumerate(st["tables"][:nlone]):
                 assert table == (lone == "0" or got != 1), (r, i, got, table)
+            assert any(got == 1 for got, _ in st["tables"][:nlone]), (r, st["tables"])
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 8, 1),
