@@ -184,6 +184,16 @@ _CONTROLS = (
              "loads and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
+    _control("AFDEP_REPLY_PRELOAD", 23, 0,
+             "experimental, off by default (written without a GPU in session 39, not yet run on "
+             "one): the expert layout's reply of flagged units (kUnitReply) at bucket 1 runs "
+             "kUnitReplyPre, whose warps load their chunk of rows 0-7 (two 16-byte vectors a "
+             "lane) together with the receipt words, before those name the token's rows: where "
+             "every row of the token is among them (bucket 1 with one Attention rank and top-k "
+             "<= 8, or one token in all) the sum takes the preloaded vectors, so the reply pays "
+             "one load latency instead of the receipt's and then the rows'; else it loads the "
+             "rows after the receipt as before; the same adds in the same order (the same "
+             "bits); 0 = kUnitReply, the rows loaded once the receipt names them"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

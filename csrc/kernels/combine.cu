@@ -50,11 +50,22 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
          ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
 }
 
+// F_REPLY_PRELOAD (kUnitReplyPre): the rows whose chunk each lane loads with the receipt words
+// (rows 0 .. kPreRows - 1, its first kPreVecs vectors of each): at bucket 1 and A = 1 every row
+// of the token (R <= kPreRows); with one token in all its rows are 0 .. n - 1 (one per expert)
+constexpr int kPreRows = 8, kPreVecs = 2;
+
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
 // llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
+// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kPreVecs vectors of the chunk in
+// rows [0, kPreRows) load with the receipt words, before they name the rows; where the
+// token's valid rows are all among them and the chunk has at most kPreVecs vectors a lane,
+// the sum takes them (the same adds in the same order, so the same bits), else the loads
+// below run as without it
+template <bool kPre = false>
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
                             int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
@@ -64,12 +75,24 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
+  int4 pre[kPreVecs][kPreRows];
+  if (kPre) {
+    const int4* rows = static_cast<const int4*>(a.rows);
+#pragma unroll
+    for (int j = 0; j < kPreVecs; ++j)
+#pragma unroll
+      for (int k = 0; k < kPreRows; ++k)
+        if (v0 + lane + 32 * j < v1 && k < L.A * a.bucket * L.R)
+          pre[j][k] = ld_nc_v4(rows + (size_t)k * (L.H / 8) + v0 + lane + 32 * j);
+  }
   // traced only, thread 0's first item: a branch on its receipt words waits for them, splitting
   // the expert layout's reply into the receipt's latency and the rows' (taken unless the xor
   // hits one value)
   const bool mark = L.trace != nullptr && threadIdx.x == 0 && first;
   if (mark && ((uint32_t)tok ^ (uint32_t)row ^ (uint32_t)count) != 0x80000001u)
     trace_mark(L, kTrMasked, -1);
+  if (kPre && mark && (uint32_t)pre[0][0].x != 0x80000001u)  // (as above: the rows' loads)
+    trace_mark(L, kTrLoaded, -1);
   if (slot >= 0 && slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
   // units: tok < T <= bucket <= llc_tokens for a receipt's token
   if (tok < 0 || tok >= (llf ? L.llc_tokens : L.C)) {
@@ -86,7 +109,26 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  if (nvalid == 1 && llf) {
+  // kPre: every valid row preloaded (a row >= kPreRows in any lane sends the warp below)
+  unsigned far = 1;
+  if (kPre) far = __ballot_sync(kFull, ok && row >= kPreRows);
+  if (kPre && far == 0 && v1 - v0 <= 32 * kPreVecs) {
+#pragma unroll
+    for (int j = 0; j < kPreVecs; ++j) {
+      const int i = v0 + lane + 32 * j;
+      if (i >= v1) break;
+      int4 x;
+      if (nvalid == 1) {  // copied as is, as below
+        x = pre[j][s_rows[warp][0]];
+      } else {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int r = 0; r < nvalid; ++r) add_bf16x8(acc, pre[j][s_rows[warp][r]]);
+        x = pack_bf16x8(acc);
+      }
+      if (llf) st_ll_vec(dstu + 4 * (size_t)i, x, llf);
+      else dst[i] = x;
+    }
+  } else if (nvalid == 1 && llf) {
     const int4* src = rows + (size_t)s_rows[warp][0] * nv;
     for (int i = v0 + lane; i < v1; i += 32) st_ll_vec(dstu + 4 * (size_t)i, ld_nc_v4(src + i), llf);
   } else if (nvalid == 1) {
@@ -505,7 +547,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
-// kSpread (F_SPREAD_CHUNKS; kSmallSend, kUnitReply, kSmallRecv, kEarlyCollect only, its own
+// kSpread (F_SPREAD_CHUNKS; kSmallSend, kUnitReply(Pre), kSmallRecv, kEarlyCollect only, its own
 // instantiations so that the other code is unchanged): unit u on warp u / G of CTA u % G
 // instead of warp u % 16 of CTA u / 16, so that a row's chunks spread over up to G SMs (at
 // T = 1 the expert layout's reply loads 8 rows, 64 KB, and every small form moves at least
@@ -515,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   constexpr bool kSmall = kForm != kGeneric;
   // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
   // layout's (kUnitReply); the collect's units (kSmallRecv)
-  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply;
+  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply || kForm == kUnitReplyPre;
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
@@ -587,8 +629,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const int h = u & (nch - 1), q = u >> lg;
           const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
-            reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
-                        q - ai * a.bucket, llf);
+            reply_chunk<kForm == kUnitReplyPre>(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane,
+                                                s_rows, warp, src_idx, q - ai * a.bucket, llf);
         }
       }
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
@@ -776,8 +818,11 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   if (L.tokens) return kGeneric;
   // expert layout: the reply's one-pass path (4 warps per receipt slot; its rows as units
   // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
-  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps)
-    return L.llc && a.bucket <= L.llc_tokens ? kUnitReply : kCountSend;
+  // (F_REPLY_PRELOAD at bucket 1: kUnitReplyPre for kUnitReply)
+  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps) {
+    if (!L.llc || a.bucket > L.llc_tokens) return kCountSend;
+    return (L.flags & F_REPLY_PRELOAD) && a.bucket == 1 ? kUnitReplyPre : kUnitReply;
+  }
   return recv ? kCountRecv : kGeneric;
 }
 
@@ -803,6 +848,8 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kCountSend>, L, a, grid, 0, stream);
     case kUnitReply:
       return launch_spreadable<kUnitReply>(spread, L, a, grid, stream);
+    case kUnitReplyPre:
+      return launch_spreadable<kUnitReplyPre>(spread, L, a, grid, stream);
     case kCountRecv:
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     case kEarlyCollect:

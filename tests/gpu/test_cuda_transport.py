@@ -552,6 +552,67 @@ def test_fanout_expand_sanitizer_small(dtype):
                      (1, [1], "partial")], env=FANOUT, seed=29)
 
 
+# AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
+# 1 in its own form, kUnitReplyPre, whose warps load their chunk of rows 0-7 with the receipt.
+# Where every row of the receipt slot is among them (1A1F: rows_cap = R = 8; at most two
+# vectors a lane: H <= 8,192 over 16 chunks) the sum takes the preloaded vectors; else (a row
+# past 8, which 2A2F and 3A1F give when several sources send; three vectors a lane) the rows
+# load after the receipt as in kUnitReply. Both paths run below
+PRELOAD = {"AFDEP_REPLY_PRELOAD": "1"}
+PRELOAD_BIT = controls.CONTROLS["AFDEP_REPLY_PRELOAD"].bit
+
+
+def preload_plan(A):
+    """Buckets 1 (kUnitReplyPre): a token from every source, from one, from none, in every
+    routing kind ("partial" leaves a token 0-8 valid entries: no row, one row copied, several
+    summed), then bucket 8 (kUnitReply) and 1 again."""
+    def one(i):
+        return [1 if a == i % A else 0 for a in range(A)]
+    return [(1, [1] * A, "random"), (1, one(0), "partial"), (1, [0] * A, "random"),
+            (1, [1] * A, "skewed"), (1, one(A - 1), "random"), (1, [1] * A, "partial"),
+            (8, [(3, 8, 1)[a % 3] for a in range(A)], "random"), (1, [1] * A, "random")]
+
+
+@pytest.mark.parametrize("layout,dtype,hidden,local_sms", [
+    ("1A1F", "bfloat16", 4096, 0), ("1A1F", "bfloat16", 7168, 0),
+    ("1A1F", "float8_e4m3fn", 2048, 0), ("1A1F", "bfloat16", 12288, 1),
+    ("2A2F", "bfloat16", 4096, 0), ("3A1F", "float8_e4m3fn", 7168, 0),
+    ("1A3F", "bfloat16", 2048, 0)])
+def test_reply_preload_eager(layout, dtype, hidden, local_sms):
+    """AFDEP_REPLY_PRELOAD=1: every exchange of preload_plan exact on every rank (the FFN's
+    receipts against every source; the Attention's output, which the reply sums, against the
+    fp64 reference), every reply at bucket 1 in kUnitReplyPre. A row's chunks are 32-64
+    vectors on a full grid: hidden 4,096 and 2,048 give one vector a lane, 7,168 two (the
+    second on 24 lanes); 12,288 on one CTA (local_sms 1: 16 chunks of 96 vectors) three, so
+    the rows load after the receipt. 1A1F takes the preloaded rows, 2A2F and 3A1F at times
+    rows past 8 (the rows after the receipt)."""
+    A = LAYOUTS[layout][1]
+    kw = dict(cfg_kw(layout, 8, hidden, dtype), local_sms=local_sms)
+    res = run(layout, kw, preload_plan(A), env=PRELOAD, seed=77)
+    for r, st in enumerate(res):
+        assert st["flags"] & PRELOAD_BIT, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert st["forms"][1] == {"kUnitReplyPre", "kUnitReply"}, (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_reply_preload_graph_replays(dtype):
+    """AFDEP_REPLY_PRELOAD=1, 100 checked graph replays of a 1A1F exchange of one token at
+    bucket 1 (fresh ids and weights each replay, some entries -1: the token reaches 0-8
+    experts), the reply in kUnitReplyPre."""
+    graph_replays_1a1f(dtype, 1, 1, PRELOAD, 9970,
+                       forms=((None, "kUnitReplyPre"), (None, "kSmallRecv")))
+
+
+def test_reply_preload_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_REPLY_PRELOAD=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): bucket 1 at hidden 7,168 (two vectors a lane, the second on 24
+    lanes), then bucket 8 (kUnitReply)."""
+    kw = cfg_kw("1A1F", 8, 7168)
+    run("1A1F", kw, [(1, [1], "random"), (1, [1], "partial"), (1, [0], "random"),
+                     (8, [5], "random"), (1, [1], "skewed")], env=PRELOAD, seed=31)
+
+
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
 # on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
 # run in every other small-T test; these revert it, or run it on small grids
@@ -727,9 +788,10 @@ def test_sanitizer_small():
 
 @pytest.mark.parametrize("layout,afdep_env", [
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
-    ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"])],
+    ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
+    ("experts", ["AFDEP_REPLY_PRELOAD=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout"])
+         "experts-fanout", "experts-reply_preload"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -737,7 +799,9 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     at T = 1, the reply's first row loaded) are non-negative and add up within the stage they
     split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
-    AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv)."""
+    AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
+    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre (its rows'
+    stamp right behind the receipt's)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -757,14 +821,17 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     assert [r["tokens"] for r in rows] == [1, 128, 1]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
-                "AFDEP_FANOUT_EXPAND=1": "kSmallSend"}
+                "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
-    # the T = 1 receive's form
-    want_recv = {"experts": "kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
-                 else "kUnitExpRecv",
-                 "tokens": "kRawRecv" if afdep_env == ["AFDEP_RAW_META=1"] else "kSmallRecv"}
+    # the T = 1 receive's and reply's forms
+    want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
+                            else "kUnitExpRecv",
+                            "kUnitReplyPre" if afdep_env == ["AFDEP_REPLY_PRELOAD=1"]
+                            else "kUnitReply"],
+                "tokens": ["kRawRecv" if afdep_env == ["AFDEP_RAW_META=1"] else "kSmallRecv",
+                           "kSmallSend"]}
     for r in (rows[0], rows[2]):
-        assert r["ffn_kernel_forms"][0] == want_recv[layout], r["ffn_kernel_forms"]
+        assert r["ffn_kernel_forms"] == want_ffn[layout], r["ffn_kernel_forms"]
     assert data["globaltimer"] and data["globaltimer"][0]["step_ns"] > 0, data["globaltimer"]
     for r in rows:
         s = r["stages_us"]

@@ -53,6 +53,9 @@ namespace afdep {
   X(SPREAD_CHUNKS, 22)      /* the small combine forms and the token layout's units receive: \
                                a row's chunks go to one warp on each of several CTAs, not to  \
                                one CTA's warps */                                             \
+  X(REPLY_PRELOAD, 23)      /* the expert layout's units reply at bucket 1: each warp loads   \
+                               its chunk of the first rows with the receipt (kUnitReplyPre,   \
+                               experimental) */                                               \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */
