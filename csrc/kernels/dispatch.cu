@@ -1044,14 +1044,16 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // token's entries in this warp's lanes (lane r: entry r, as load_token_units gives them), the
 // row the count table would give: a valid entry (r < nloc, local id in range, position 0: its
 // region's only token) takes the number of distinct valid ids below its own (experts in order,
-// one row each; a repeated id shares its first's row), any other -1. A warp's first unit on
-// CTA 0 (`books`; unit warps w = 0 .. nbook - 1, warp 0 among them) also writes the expert
-// offsets (warp w: experts 32w + 32 * nbook * i + lane) and, warp 0, the token's receipt
-// (item: its source's slot 0) and every source's token count (1 for source ai).
+// one row each; a repeated id shares its first's row), any other -1. With `books` (one warp
+// for each slice 0 .. nbook - 1: the warp's index in its CTA, CTA 0's warps; kFan: `slice`,
+// one warp a slice on any CTA) the warp also writes the expert offsets of its slice (experts
+// 32 * slice + 32 * nbook * i + lane) and, slice 0, the token's receipt (item: its source's
+// slot 0) and every source's token count (1 for source ai).
+template <bool kFan = false>
 __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, int r, int nloc,
                                         int el, int pos, int wi, int tok, int ai, int sr,
-                                        size_t item, bool books, int nbook) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                        size_t item, bool books, int nbook, int slice = 0) {
+  const int lane = threadIdx.x & 31, warp = kFan ? slice : (int)(threadIdx.x >> 5);
   const int rows_cap = L.A * a.bucket * L.R;
   const bool valid = lane < nloc && el >= 0 && el < L.El && pos == 0;
   // every lane matches (distinct negative keys where invalid): see load_raw_units
@@ -1196,11 +1198,10 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
   const int nw = gridDim.x * kWarps, gw = grid_warp<kFan>(warp, kWarps);
   const int lg = chunk_log2_fill(items, nw, nv);
   const int cv = (nv + (1 << lg) - 1) >> lg;
-  // lone_row's book-keeping warps: CTA 0's warps that hold a unit in the first pass (warps
-  // 0 .. nbook - 1 in either mapping; kFan's warp w of CTA 0 holds unit w * gridDim.x)
-  int nbook = min(items << lg, kWarps);
-  if (kFan)  // (a ballot, not a division: the small forms have none)
-    nbook = __popc(__ballot_sync(kFull, lane < kWarps && lane * (int)gridDim.x < (items << lg)));
+  // lone_row's book-keeping: kUnitExpRecv, CTA 0's warps w = 0 .. nbook - 1 that hold a unit
+  // in the first pass (slice w); kFan, every warp that does (gw < nbook: slice gw), its units
+  // on as many SMs
+  const int nbook = min(items << lg, kFan ? nw : kWarps);
   for (int u = gw; u < (items << lg); u += nw) {
     const int h = u & ((1 << lg) - 1), it = u >> lg;
     const int q = kFan ? it : fast_div(it, L.div_R), r = kFan ? lane : it - q * L.R;
@@ -1229,7 +1230,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     const size_t item = (size_t)ai * a.bucket + s;
     int row;
     if (lone >= 0) {  // CTA 0's unit warps (at least warp 0) write the offsets and the receipt
-      row = lone_row(L, a, r, nloc, el, pos, wi, tok, ai, sr, item, c == 0 && u == gw, nbook);
+      row = lone_row<kFan>(L, a, r, nloc, el, pos, wi, tok, ai, sr, item,
+                           (kFan || c == 0) && u == gw, nbook, gw);  // (first pass)
     } else {
       if (!kFan) {  // entry r: lane r's (kFan: r is this lane)
         el = __shfl_sync(kFull, el, r);
