@@ -51,18 +51,19 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
 }
 
 // F_REPLY_PRELOAD (kUnitReplyPre): the rows whose chunk each lane loads with the receipt words
-// (rows 0 .. kPreRows - 1, its first kPreVecs vectors of each): at bucket 1 and A = 1 every row
-// of the token (R <= kPreRows); with one token in all its rows are 0 .. n - 1 (one per expert)
-constexpr int kPreRows = 8, kPreVecs = 2;
+// (rows 0 .. kReplyPreRows - 1, its first kReplyPreVecs vectors of each): at bucket 1 and A = 1
+// every row of the token (R <= kReplyPreRows); with one token in all its rows are 0 .. n - 1
+// (one per expert)
+constexpr int kReplyPreRows = 8, kReplyPreVecs = 2;
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
 // llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
-// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kPreVecs vectors of the chunk in
-// rows [0, kPreRows) load with the receipt words, before they name the rows; where the
-// token's valid rows are all among them and the chunk has at most kPreVecs vectors a lane,
+// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kReplyPreVecs vectors of the chunk in
+// rows [0, kReplyPreRows) load with the receipt words, before they name the rows; where the
+// token's valid rows are all among them and the chunk has at most kReplyPreVecs vectors a lane,
 // the sum takes them (the same adds in the same order, so the same bits), else the loads
 // below run as without it
 template <bool kPre = false>
@@ -75,13 +76,13 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
-  int4 pre[kPreVecs][kPreRows];
+  int4 pre[kReplyPreVecs][kReplyPreRows];
   if (kPre) {
     const int4* rows = static_cast<const int4*>(a.rows);
 #pragma unroll
-    for (int j = 0; j < kPreVecs; ++j)
+    for (int j = 0; j < kReplyPreVecs; ++j)
 #pragma unroll
-      for (int k = 0; k < kPreRows; ++k)
+      for (int k = 0; k < kReplyPreRows; ++k)
         if (v0 + lane + 32 * j < v1 && k < L.A * a.bucket * L.R)
           pre[j][k] = ld_nc_v4(rows + (size_t)k * (L.H / 8) + v0 + lane + 32 * j);
   }
@@ -109,12 +110,12 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  // kPre: every valid row preloaded (a row >= kPreRows in any lane sends the warp below)
+  // kPre: every valid row preloaded (a row >= kReplyPreRows in any lane sends the warp below)
   unsigned far = 1;
-  if (kPre) far = __ballot_sync(kFull, ok && row >= kPreRows);
-  if (kPre && far == 0 && v1 - v0 <= 32 * kPreVecs) {
+  if (kPre) far = __ballot_sync(kFull, ok && row >= kReplyPreRows);
+  if (kPre && far == 0 && v1 - v0 <= 32 * kReplyPreVecs) {
 #pragma unroll
-    for (int j = 0; j < kPreVecs; ++j) {
+    for (int j = 0; j < kReplyPreVecs; ++j) {
       const int i = v0 + lane + 32 * j;
       if (i >= v1) break;
       int4 x;

@@ -500,7 +500,7 @@ FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
 @pytest.mark.parametrize("layout,dtype,hidden,local_sms", [
     ("1A1F", "bfloat16", 2048, 0), ("1A1F", "float8_e4m3fn", 2048, 0),
     ("2A2F", "bfloat16", 2048, 0), ("3A1F", "float8_e4m3fn", 2048, 0), ("1A3F", "bfloat16", 2048, 0),
-    ("1A1F", "bfloat16", 4096, 1), ("1A1F", "float8_e4m3fn", 4096, 2),
+    ("1A1F", "bfloat16", 8192, 1), ("1A1F", "float8_e4m3fn", 4096, 2),
     ("2A2F", "bfloat16", 4096, 5)])
 def test_fanout_expand_eager(layout, dtype, hidden, local_sms, lone):
     """AFDEP_FANOUT_EXPAND=1: every exchange of lone_plan, then llx_plan (units at buckets up to
@@ -509,9 +509,9 @@ def test_fanout_expand_eager(layout, dtype, hidden, local_sms, lone):
     output against the fp64 reference); every units receive in kUnitExpFan. With the stage
     trace: with AFDEP_LONE_EXPAND on (lone) the receives of one token in all built no count
     table, every other units receive built one; lone_off: every units receive built one.
-    local_sms 1, 2, 5 (the FFN's receive on that many CTAs): several of CTA 0's warps hold a
-    unit (lone_row's book-keeping split 16, 8, 4 ways at H4096 BF16) and warps take more than
-    one unit; 0: a CTA per SM, one unit a warp."""
+    local_sms 1, 2, 5 (the FFN's receive on 16, 32, 80 warps): the table's units outnumber the
+    warps (several a warp), and at H 8,192 on one CTA so do the lone token's (32 on 16 warps:
+    the offsets' 16 slices on the first pass, the copy in two); 0: a CTA per SM."""
     A = LAYOUTS[layout][1]
     plan = lone_plan(A) + llx_plan(A)
     kw = dict(cfg_kw(layout, 128, hidden, dtype), local_sms=local_sms)
