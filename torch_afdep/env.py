@@ -190,10 +190,13 @@ _CONTROLS = (
              "kUnitReplyPre, whose warps load their chunk of rows 0-7 (two 16-byte vectors a "
              "lane) together with the receipt words, before those name the token's rows: where "
              "every row of the token is among them (bucket 1 with one Attention rank and top-k "
-             "<= 8, or one token in all) the sum takes the preloaded vectors, so the reply pays "
-             "one load latency instead of the receipt's and then the rows'; else it loads the "
-             "rows after the receipt as before; the same adds in the same order (the same "
-             "bits); 0 = kUnitReply, the rows loaded once the receipt names them"),
+             "<= 8, or one token in all reaching at most 8 experts) and a lane holds at most two "
+             "vectors of its chunk (32-64 vectors on a full grid), the sum takes the preloaded "
+             "vectors, so the reply pays one load latency instead of the receipt's and then the "
+             "rows'; else it loads the rows after the receipt; either way a token's rows add in "
+             "ascending order (its experts in order), so a sum of three or more rows may round "
+             "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded once the receipt names "
+             "them and added in entry order"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

@@ -61,11 +61,14 @@ constexpr int kReplyPreRows = 8, kReplyPreVecs = 2;
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
 // llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
-// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kReplyPreVecs vectors of the chunk in
-// rows [0, kReplyPreRows) load with the receipt words, before they name the rows; where the
-// token's valid rows are all among them and the chunk has at most kReplyPreVecs vectors a lane,
-// the sum takes them (the same adds in the same order, so the same bits), else the loads
-// below run as without it
+// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kReplyPreVecs vectors of the chunk
+// in rows [0, kReplyPreRows) load with the receipt words, before they name the rows; where the
+// token's valid rows are distinct and all among them and the chunk has at most kReplyPreVecs
+// vectors a lane, the sum takes them, else the loads below run. Either way the rows add in
+// ascending order (the token's experts in order: the same for a token whatever else the
+// batch holds), not in entry order as without kPre: the preloaded rows then need no index
+// that only the receipt gives (which would put them in local memory), so the rounding of a
+// sum of three or more rows may differ from kUnitReply's
 template <bool kPre = false>
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
@@ -76,15 +79,17 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
-  int4 pre[kReplyPreVecs][kReplyPreRows];
+  int4 pre[kReplyPreVecs][kReplyPreRows];  // (every index a constant: registers)
   if (kPre) {
     const int4* rows = static_cast<const int4*>(a.rows);
 #pragma unroll
     for (int j = 0; j < kReplyPreVecs; ++j)
 #pragma unroll
-      for (int k = 0; k < kReplyPreRows; ++k)
+      for (int k = 0; k < kReplyPreRows; ++k) {
+        pre[j][k] = make_int4(0, 0, 0, 0);
         if (v0 + lane + 32 * j < v1 && k < L.A * a.bucket * L.R)
           pre[j][k] = ld_nc_v4(rows + (size_t)k * (L.H / 8) + v0 + lane + 32 * j);
+      }
   }
   // traced only, thread 0's first item: a branch on its receipt words waits for them, splitting
   // the expert layout's reply into the receipt's latency and the rows' (taken unless the xor
@@ -104,26 +109,40 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   const bool ok = lane < L.R && row >= 0 && row < rows_cap;
   const unsigned b = __ballot_sync(kFull, ok);
   const int nvalid = __popc(b);
-  if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
+  if (kPre) {  // ascending rows (equal ones, which no receive writes, by entry)
+    int at = 0;
+    for (int q = 0; q < L.R; ++q) {
+      const int o = __shfl_sync(kFull, row, q);
+      at += ((b >> q) & 1u) && (o < row || (o == row && q < lane)) ? 1 : 0;
+    }
+    if (ok) s_rows[warp][at] = row;
+  } else if (ok) {
+    s_rows[warp][__popc(b & lanemask_lt())] = row;  // entry order
+  }
   __syncwarp();
   const int nv = L.H / 8;
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  // kPre: every valid row preloaded (a row >= kReplyPreRows in any lane sends the warp below)
-  unsigned far = 1;
-  if (kPre) far = __ballot_sync(kFull, ok && row >= kReplyPreRows);
-  if (kPre && far == 0 && v1 - v0 <= 32 * kReplyPreVecs) {
+  // kPre: bit k of `hit` for row k of the token; every valid row preloaded and distinct
+  unsigned hit = 0;
+  if (kPre) hit = __reduce_or_sync(kFull, ok && row < kReplyPreRows ? 1u << row : 0u);
+  if (kPre && __popc(hit) == nvalid && v1 - v0 <= 32 * kReplyPreVecs) {
+    if (mark) trace_mark(L, kTrPreHit, -1);
 #pragma unroll
     for (int j = 0; j < kReplyPreVecs; ++j) {
       const int i = v0 + lane + 32 * j;
       if (i >= v1) break;
-      int4 x;
-      if (nvalid == 1) {  // copied as is, as below
-        x = pre[j][s_rows[warp][0]];
+      int4 x = pre[j][0];
+      if (nvalid == 1) {  // copied as is, as below (hit: the same in every lane)
+#pragma unroll
+        for (int k = 1; k < kReplyPreRows; ++k)
+          if (hit == 1u << k) x = pre[j][k];
       } else {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int r = 0; r < nvalid; ++r) add_bf16x8(acc, pre[j][s_rows[warp][r]]);
+#pragma unroll
+        for (int k = 0; k < kReplyPreRows; ++k)
+          if ((hit >> k) & 1u) add_bf16x8(acc, pre[j][k]);
         x = pack_bf16x8(acc);
       }
       if (llf) st_ll_vec(dstu + 4 * (size_t)i, x, llf);

@@ -554,10 +554,11 @@ def test_fanout_expand_sanitizer_small(dtype):
 
 # AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
 # 1 in its own form, kUnitReplyPre, whose warps load their chunk of rows 0-7 with the receipt.
-# Where every row of the receipt slot is among them (1A1F: rows_cap = R = 8; at most two
-# vectors a lane: H <= 8,192 over 16 chunks) the sum takes the preloaded vectors; else (a row
-# past 8, which 2A2F and 3A1F give when several sources send; three vectors a lane) the rows
-# load after the receipt as in kUnitReply. Both paths run below
+# Where every row of the receipt slot is among them (1A1F: A x bucket x R = 8 rows) and a
+# lane holds at most two vectors of the chunk (a full grid's chunks are 32-64 vectors) the sum
+# takes the preloaded vectors; else (a row past 8, which 2A2F and 3A1F can give when several
+# sources send; three vectors a lane on one CTA at H 12,288) the rows load after the receipt.
+# Both paths run below; the trace shows which one CTA 0's first unit took
 PRELOAD = {"AFDEP_REPLY_PRELOAD": "1"}
 PRELOAD_BIT = controls.CONTROLS["AFDEP_REPLY_PRELOAD"].bit
 
@@ -565,7 +566,8 @@ PRELOAD_BIT = controls.CONTROLS["AFDEP_REPLY_PRELOAD"].bit
 def preload_plan(A):
     """Buckets 1 (kUnitReplyPre): a token from every source, from one, from none, in every
     routing kind ("partial" leaves a token 0-8 valid entries: no row, one row copied, several
-    summed), then bucket 8 (kUnitReply) and 1 again."""
+    summed), then bucket 8 (kUnitReply; kGeneric on one CTA, whose 16 warps are fewer than 4
+    per slot) and 1 again."""
     def one(i):
         return [1 if a == i % A else 0 for a in range(A)]
     return [(1, [1] * A, "random"), (1, one(0), "partial"), (1, [0] * A, "random"),
@@ -584,15 +586,23 @@ def test_reply_preload_eager(layout, dtype, hidden, local_sms):
     fp64 reference), every reply at bucket 1 in kUnitReplyPre. A row's chunks are 32-64
     vectors on a full grid: hidden 4,096 and 2,048 give one vector a lane, 7,168 two (the
     second on 24 lanes); 12,288 on one CTA (local_sms 1: 16 chunks of 96 vectors) three, so
-    the rows load after the receipt. 1A1F takes the preloaded rows, 2A2F and 3A1F at times
-    rows past 8 (the rows after the receipt)."""
+    the rows load after the receipt. With the stage trace: in 1A1F on a full grid CTA 0's
+    first unit (source 0's slot) summed the preloaded rows in exactly the bucket-1 exchanges
+    that sent a token, on one CTA at H 12,288 in none; 2A2F and 3A1F may take either."""
     A = LAYOUTS[layout][1]
+    plan = preload_plan(A)
     kw = dict(cfg_kw(layout, 8, hidden, dtype), local_sms=local_sms)
-    res = run(layout, kw, preload_plan(A), env=PRELOAD, seed=77)
+    res = run(layout, kw, plan, env={**PRELOAD, "AFDEP_TRACE": "1"}, seed=77)
     for r, st in enumerate(res):
         assert st["flags"] & PRELOAD_BIT, (r, hex(st["flags"]))
         if st["role"] == "ffn":
-            assert st["forms"][1] == {"kUnitReplyPre", "kUnitReply"}, (r, st["forms"])
+            other = "kGeneric" if local_sms == 1 else "kUnitReply"  # bucket 8
+            assert st["forms"][1] == {"kUnitReplyPre", other}, (r, st["forms"])
+            assert len(st["pre_hits"]) == len(plan), (r, st["pre_hits"])
+            if layout == "1A1F":
+                want = [bucket == 1 and tokens[0] > 0 and local_sms == 0
+                        for bucket, tokens, _ in plan]
+                assert st["pre_hits"] == want, (r, st["pre_hits"], want)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -800,8 +810,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
-    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre (its rows'
-    stamp right behind the receipt's)."""
+    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)

@@ -143,6 +143,8 @@ enum TracePoint : int {
   kTrCopied = 9,   // dispatch sender: payload rows written, before the signalling fence (CTA 0)
   kTrWritten = 10, // FFN reply: reduced rows written, before the signalling fence (CTA 0)
   kTrTable = 11,   // FFN receive: count table in shared memory, before the scans (CTA 0)
+  kTrPreHit = 11,  // FFN reply (its phase's slot of kTrTable): kUnitReplyPre's thread 0 summed
+                   // its preloaded rows (CTA 0)
   kTrLoaded = 12,  // thread 0's first loads arrived (CTA 0): dispatch sender, its token's
                    // expert id (F_EARLY_LOADS) and the exchange number; FFN reply
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector;
