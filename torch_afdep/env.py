@@ -195,8 +195,8 @@ _CONTROLS = (
              "vectors, so the reply pays one load latency instead of the receipt's and then the "
              "rows'; else it loads the rows after the receipt; either way a token's rows add in "
              "ascending order (its experts in order), so a sum of three or more rows may round "
-             "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded once the receipt names "
-             "them and added in entry order"),
+             "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded "
+             "once the receipt names them and added in entry order"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

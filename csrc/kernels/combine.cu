@@ -75,22 +75,27 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
                             int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
+  // kPre: the rows' ahead of the receipt's words in the source (behind them, the spread
+  // instantiation's schedule put a wait for the first receipt word between the rows' loads)
+  int4 pre[kReplyPreVecs][kReplyPreRows];  // (every index a constant: registers)
+  if (kPre) {
+    // row k's vector j at rb + k * nv + 32 * j (one base, the vectors at constant offsets)
+    const int4* rb = static_cast<const int4*>(a.rows) + v0 + lane;
+    const int ncap = min(L.A * a.bucket * L.R, kReplyPreRows);
+#pragma unroll
+    for (int k = 0; k < kReplyPreRows; ++k) {
+      const int4* rk = rb + (size_t)k * (L.H / 8);
+#pragma unroll
+      for (int j = 0; j < kReplyPreVecs; ++j) {
+        pre[j][k] = make_int4(0, 0, 0, 0);  // (without, ptxas spilled: 128 registers, 48 B)
+        if (v0 + lane + 32 * j < v1 && k < ncap) pre[j][k] = ld_nc_v4(rk + 32 * j);
+      }
+    }
+  }
   const int tok = a.token_index[item];
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
   const int count = slot >= 0 ? a.num_tokens[ai] : 0;
-  int4 pre[kReplyPreVecs][kReplyPreRows];  // (every index a constant: registers)
-  if (kPre) {
-    const int4* rows = static_cast<const int4*>(a.rows);
-#pragma unroll
-    for (int j = 0; j < kReplyPreVecs; ++j)
-#pragma unroll
-      for (int k = 0; k < kReplyPreRows; ++k) {
-        pre[j][k] = make_int4(0, 0, 0, 0);
-        if (v0 + lane + 32 * j < v1 && k < L.A * a.bucket * L.R)
-          pre[j][k] = ld_nc_v4(rows + (size_t)k * (L.H / 8) + v0 + lane + 32 * j);
-      }
-  }
   // traced only, thread 0's first item: a branch on its receipt words waits for them, splitting
   // the expert layout's reply into the receipt's latency and the rows' (taken unless the xor
   // hits one value)
@@ -109,7 +114,13 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   const bool ok = lane < L.R && row >= 0 && row < rows_cap;
   const unsigned b = __ballot_sync(kFull, ok);
   const int nvalid = __popc(b);
-  if (kPre) {  // ascending rows (equal ones, which no receive writes, by entry)
+  // kPre: bit k of `hit` for row k of the token; the preloaded rows serve where every valid
+  // row is among them and distinct, and a lane holds at most kReplyPreVecs of the chunk
+  unsigned hit = 0;
+  if (kPre) hit = __reduce_or_sync(kFull, ok && row < kReplyPreRows ? 1u << row : 0u);
+  const bool pre_hit = kPre && __popc(hit) == nvalid && v1 - v0 <= 32 * kReplyPreVecs;
+  if (pre_hit) {  // (no s_rows: the sum below takes the rows from `hit`)
+  } else if (kPre) {  // ascending rows (equal ones, which no receive writes, by entry)
     int at = 0;
     for (int q = 0; q < L.R; ++q) {
       const int o = __shfl_sync(kFull, row, q);
@@ -124,11 +135,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  // kPre: bit k of `hit` for row k of the token; every valid row preloaded and distinct
-  unsigned hit = 0;
-  if (kPre) hit = __reduce_or_sync(kFull, ok && row < kReplyPreRows ? 1u << row : 0u);
-  if (kPre && __popc(hit) == nvalid && v1 - v0 <= 32 * kReplyPreVecs) {
-    if (mark) trace_mark(L, kTrPreHit, -1);
+  if (pre_hit) {
+    if (mark && item == 0) trace_mark(L, kTrPreHit, -1);  // unit 0 only
 #pragma unroll
     for (int j = 0; j < kReplyPreVecs; ++j) {
       const int i = v0 + lane + 32 * j;
