@@ -52,8 +52,8 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
 
 // F_REPLY_PRELOAD (kUnitReplyPre): the rows whose chunk each lane loads with the receipt words
 // (rows 0 .. kReplyPreRows - 1, its first kReplyPreVecs vectors of each): at bucket 1 and A = 1
-// every row of the token (R <= kReplyPreRows); with one token in all its rows are 0 .. n - 1
-// (one per expert)
+// every row of the token (R <= kReplyPreRows); with one token in all its n rows are
+// 0 .. n - 1 (one per expert; among these where n <= kReplyPreRows)
 constexpr int kReplyPreRows = 8, kReplyPreVecs = 2;
 
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
@@ -75,8 +75,8 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
                             int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
-  // kPre: the rows' ahead of the receipt's words in the source (behind them, the spread
-  // instantiation's schedule put a wait for the first receipt word between the rows' loads)
+  // kPre: the rows' loads ahead of the receipt's in the source (behind them, the spread
+  // instantiation's schedule put a wait for the first receipt word among the rows' loads)
   int4 pre[kReplyPreVecs][kReplyPreRows];  // (every index a constant: registers)
   if (kPre) {
     // row k's vector j at rb + k * nv + 32 * j (one base, the vectors at constant offsets)

@@ -1229,7 +1229,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     const size_t item = (size_t)ai * a.bucket + s;
     int row;
-    if (lone >= 0) {  // CTA 0's unit warps (at least warp 0) write the offsets and the receipt
+    if (lone >= 0) {  // first-pass unit warps (CTA 0's; kFan: all) write the offsets, unit 0
+                      // the receipt
       row = lone_row<kFan>(L, a, r, nloc, el, pos, wi, tok, ai, sr, item,
                            (kFan || c == 0) && u == gw, nbook, gw);  // (first pass)
     } else {
