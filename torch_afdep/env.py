@@ -197,6 +197,15 @@ _CONTROLS = (
              "ascending order (its experts in order), so a sum of three or more rows may round "
              "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded "
              "once the receipt names them and added in entry order"),
+    _control("AFDEP_PAIRED_POLL", 24, 0,
+             "experimental, off by default (written without a GPU in session 39, not yet run on "
+             "one): the FFN's receive of flagged units (either layout) polls each region's "
+             "count-block flag together with its header units, and the collect of flagged "
+             "reply units each FFN rank's completion count together with its start units, so a "
+             "poll takes one load latency instead of two in turn; a region that lands is seen "
+             "about half a poll sooner, and the barrier behind all of them (the slowest) about "
+             "a whole poll sooner; the same waits and outputs; 0 = the units first, the flag or "
+             "count only after them"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

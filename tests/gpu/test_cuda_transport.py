@@ -499,7 +499,8 @@ FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
 @pytest.mark.parametrize("lone", ["1", "0"], ids=["lone", "lone_off"])
 @pytest.mark.parametrize("layout,dtype,hidden,local_sms", [
     ("1A1F", "bfloat16", 2048, 0), ("1A1F", "float8_e4m3fn", 2048, 0),
-    ("2A2F", "bfloat16", 2048, 0), ("3A1F", "float8_e4m3fn", 2048, 0), ("1A3F", "bfloat16", 2048, 0),
+    ("2A2F", "bfloat16", 2048, 0), ("3A1F", "float8_e4m3fn", 2048, 0),
+    ("1A3F", "bfloat16", 2048, 0),
     ("1A1F", "bfloat16", 8192, 1), ("1A1F", "float8_e4m3fn", 4096, 2),
     ("2A2F", "bfloat16", 4096, 5)])
 def test_fanout_expand_eager(layout, dtype, hidden, local_sms, lone):
@@ -621,6 +622,35 @@ def test_reply_preload_sanitizer_small():
     kw = cfg_kw("1A1F", 8, 7168)
     run("1A1F", kw, [(1, [1], "random"), (1, [1], "partial"), (1, [0], "random"),
                      (8, [5], "random"), (1, [1], "skewed")], env=PRELOAD, seed=31)
+
+
+# AFDEP_PAIRED_POLL (experimental, off by default): the units receive's and the collect's waits
+# load a region's count flag (a reply's completion count) with its header (start) units
+PAIRED = {"AFDEP_PAIRED_POLL": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                          ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
+def test_paired_poll_eager(layout, dtype):
+    """AFDEP_PAIRED_POLL=1: every exchange of lone_plan and llx_plan exact on every rank (the
+    expert layout's units receive and count form, the units reply and its collect; the
+    token layout's run in test_token_layout_controls and _paired_poll_graphs)."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
+              env={**PAIRED, **LLX}, seed=79)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_PAIRED_POLL"].bit, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert st["forms"][0] == {"kUnitExpRecv", "kCountRecvLL"}, (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 24, 7)],
+                         ids=["bf16-B1-T1", "fp8-B24-T7"])
+def test_paired_poll_graph_replays(dtype, bucket, tokens):
+    """AFDEP_PAIRED_POLL=1, 100 checked graph replays of a 1A1F exchange in the expert
+    layout's units (the receive's and the collect's paired polls)."""
+    graph_replays_1a1f(dtype, bucket, tokens, PAIRED, 9990,
+                       forms=(("kUnitExpRecv", None), ("kSmallSend", "kSmallRecv")))
 
 
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
@@ -799,9 +829,9 @@ def test_sanitizer_small():
 @pytest.mark.parametrize("layout,afdep_env", [
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
-    ("experts", ["AFDEP_REPLY_PRELOAD=1"])],
+    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload"])
+         "experts-fanout", "experts-reply_preload", "tokens-paired_poll"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -810,7 +840,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
-    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre."""
+    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
+    AFDEP_PAIRED_POLL=1, the default forms."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -830,7 +861,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     assert [r["tokens"] for r in rows] == [1, 128, 1]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
-                "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend"}
+                "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
+                "AFDEP_PAIRED_POLL=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
