@@ -204,8 +204,10 @@ _CONTROLS = (
              "reply units each FFN rank's completion count together with its start units, so a "
              "poll takes one load latency instead of two in turn; a region that lands is seen "
              "about half a poll sooner, and the barrier behind all of them (the slowest) about "
-             "a whole poll sooner; the same waits and outputs; 0 = the units first, the flag or "
-             "count only after them"),
+             "a whole poll sooner; in the fan-out receive (AFDEP_FANOUT_EXPAND's kUnitExpFan) "
+             "also the wait for a token's metadata units: every stale unit reloaded in each "
+             "poll, not one unit spun on after another; the same waits and outputs; 0 = the "
+             "units first, the flag or count only after them, each metadata unit in turn"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "

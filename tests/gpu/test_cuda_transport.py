@@ -494,6 +494,7 @@ def test_lone_expand_graph_replays(dtype, bucket, value):
 # count table's
 FANOUT = {"AFDEP_FANOUT_EXPAND": "1"}
 FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
+PAIRED = {"AFDEP_PAIRED_POLL": "1"}  # (its own tests below)
 
 
 @pytest.mark.parametrize("lone", ["1", "0"], ids=["lone", "lone_off"])
@@ -542,15 +543,32 @@ def test_fanout_expand_graph_replays(dtype, bucket, tokens):
                        forms=(("kUnitExpFan", None), ("kSmallSend", None)))
 
 
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                          ("1A3F", "bfloat16")])
+def test_fanout_paired_poll_eager(layout, dtype):
+    """AFDEP_FANOUT_EXPAND=1 with AFDEP_PAIRED_POLL=1, whose fan-out receive also waits for a
+    token's metadata units by reloading every stale one in each poll (paired_token_units):
+    every exchange of lone_plan and llx_plan exact on every rank, the units receives in
+    kUnitExpFan."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
+              env={**FANOUT, **PAIRED, **LLX}, seed=83)
+    for r, st in enumerate(res):
+        assert st["flags"] & FANOUT_BIT, (r, hex(st["flags"]))
+        assert st["flags"] & controls.CONTROLS["AFDEP_PAIRED_POLL"].bit, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert st["forms"][0] == {"kUnitExpFan", "kCountRecvLL"}, (r, st["forms"])
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_fanout_expand_sanitizer_small(dtype):
-    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all: the lone path; 7 and
-    24: the table's), the count form at 64 and 48."""
+    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1 and AFDEP_PAIRED_POLL=1 (run under
+    compute-sanitizer by scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all:
+    the lone path; 7 and 24: the table's), the count form at 64 and 48."""
     kw = cfg_kw("1A1F", 64, 1024, dtype)
     run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
                      (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random"),
-                     (1, [1], "partial")], env=FANOUT, seed=29)
+                     (1, [1], "partial")], env={**FANOUT, **PAIRED}, seed=29)
 
 
 # AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
@@ -624,9 +642,9 @@ def test_reply_preload_sanitizer_small():
                      (8, [5], "random"), (1, [1], "skewed")], env=PRELOAD, seed=31)
 
 
-# AFDEP_PAIRED_POLL (experimental, off by default): the units receive's and the collect's waits
-# load a region's count flag (a reply's completion count) with its header (start) units
-PAIRED = {"AFDEP_PAIRED_POLL": "1"}
+# AFDEP_PAIRED_POLL (experimental, off by default; PAIRED above): the units receive's and the
+# collect's waits load a region's count flag (a reply's completion count) with its header
+# (start) units
 
 
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
