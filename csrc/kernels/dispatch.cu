@@ -721,36 +721,44 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
 // Units: s_form[g] = 1, the count in s_form[nreg + g], the ahead | bucket word in
 // s_form[2 * nreg + g]. Count block: s_form[g] = 0. Returns the form, or -1 at the deadline
 // (reported).
-// F_PAIRED_POLL: each poll loads the flag together with the units, so a poll takes one load
-// latency instead of two in turn (the header units, then the flag behind their test): a region
-// that lands is seen about half a poll sooner, and the barrier behind every region's wait
-// (which waits for the slowest of them) about a whole poll sooner
-__device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, uint64_t deadline,
-                              int* s_form) {
+// kPaired (F_PAIRED_POLL, wait_region_ll): each poll loads the flag together with the units,
+// so a poll takes one load latency instead of two in turn (the header units, then the flag
+// behind their test): a region that lands is seen about half a poll sooner, and the barrier
+// behind every region's wait (which waits for the slowest of them) about a whole poll sooner.
+// A loop of its own: with the choice inside the loop, ptxas put the units' test (waiting for
+// their load) in front of the branch to the flag's load in most forms.
+template <bool kPaired>
+__device__ int wait_region_ll_(const Layout& L, char* mine, int g, uint64_t n,
+                               uint64_t deadline, int* s_form) {
   const int nreg = L.A * L.S, ai = fast_div(g, L.div_S), ch = g - ai * L.S;
   const int sr = L.rank_of_attn[ai];
   const uint32_t llf = ll_flag(n);
   const uint64_t* u = ll_region(L, mine, ai, ch);
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
-  const bool paired = (L.flags & F_PAIRED_POLL) != 0;
   uint32_t spins = 0;
   while (true) {
     uint64_t v0, v1, fv = 0;
     ld_ll2(u, v0, v1);
-    if (paired) fv = ld_ll(flag);
+    if (kPaired) fv = ld_ll(flag);
     if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
       s_form[g] = 1;
       s_form[nreg + g] = (int)(uint32_t)v0;
       s_form[2 * nreg + g] = (int)(uint32_t)v1;
       return 1;
     }
-    if (!paired) fv = ld_ll(flag);
+    if (!kPaired) fv = ld_ll(flag);
     if (fv >= n && ld_acquire_sys(flag) >= n) {  // acquired as wait_geq does
       s_form[g] = 0;
       return 0;
     }
     if (ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank)) return -1;
   }
+}
+
+__device__ __forceinline__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n,
+                                              uint64_t deadline, int* s_form) {
+  return (L.flags & F_PAIRED_POLL) ? wait_region_ll_<true>(L, mine, g, n, deadline, s_form)
+                                   : wait_region_ll_<false>(L, mine, g, n, deadline, s_form);
 }
 
 // F_LL_SMALL: the rows (and scales) of the regions that came as flagged units, from their

@@ -560,15 +560,17 @@ def test_fanout_paired_poll_eager(layout, dtype):
             assert st["forms"][0] == {"kUnitExpFan", "kCountRecvLL"}, (r, st["forms"])
 
 
+@pytest.mark.parametrize("paired", ["0", "1"], ids=["fanout", "fanout_paired"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_fanout_expand_sanitizer_small(dtype):
-    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1 and AFDEP_PAIRED_POLL=1 (run under
+def test_fanout_expand_sanitizer_small(dtype, paired):
+    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1, AFDEP_PAIRED_POLL at 0 and 1 (run under
     compute-sanitizer by scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all:
     the lone path; 7 and 24: the table's), the count form at 64 and 48."""
     kw = cfg_kw("1A1F", 64, 1024, dtype)
     run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
                      (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random"),
-                     (1, [1], "partial")], env={**FANOUT, **PAIRED}, seed=29)
+                     (1, [1], "partial")], env={**FANOUT, "AFDEP_PAIRED_POLL": paired},
+        seed=29)
 
 
 # AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
