@@ -442,16 +442,21 @@ def test_ll_experts_sanitizer_small(dtype):
 LONE_BIT = controls.CONTROLS["AFDEP_LONE_EXPAND"].bit
 
 
+
+def one_source(A, i):
+    """Tokens per Attention index: 1 for index i % A, 0 for every other."""
+    return [1 if a == i % A else 0 for a in range(A)]
+
+
 def lone_plan(A):
     """Exchanges in which every FFN rank receives at most one token in all (its rows then come
     from AFDEP_LONE_EXPAND's path), between ones where it receives none or several: T = 1 on
     one source at buckets 1, 2, 8 and 24 in every routing kind ("partial" drops entries, so
     some tokens reach fewer experts or none), T = 0 everywhere, and 2 + 1 + ... tokens."""
-    def one(i):
-        return [1 if a == i % A else 0 for a in range(A)]
-    return [(1, one(0), "random"), (8, one(1), "partial"), (24, one(2), "skewed"),
-            (8, [0] * A, "random"), (24, [2] + [1] * (A - 1), "random"),
-            (2, one(3), "partial"), (24, one(4), "partial"), (1, one(5), "skewed")]
+    return [(1, one_source(A, 0), "random"), (8, one_source(A, 1), "partial"),
+            (24, one_source(A, 2), "skewed"), (8, [0] * A, "random"),
+            (24, [2] + [1] * (A - 1), "random"), (2, one_source(A, 3), "partial"),
+            (24, one_source(A, 4), "partial"), (1, one_source(A, 5), "skewed")]
 
 
 @pytest.mark.parametrize("value", ["1", "0"], ids=["on", "reverted"])
@@ -589,10 +594,8 @@ def preload_plan(A):
     routing kind ("partial" leaves a token 0-8 valid entries: no row, one row copied, several
     summed), then bucket 8 (kUnitReply; kGeneric on one CTA, whose 16 warps are fewer than 4
     per slot) and 1 again."""
-    def one(i):
-        return [1 if a == i % A else 0 for a in range(A)]
-    return [(1, [1] * A, "random"), (1, one(0), "partial"), (1, [0] * A, "random"),
-            (1, [1] * A, "skewed"), (1, one(A - 1), "random"), (1, [1] * A, "partial"),
+    return [(1, [1] * A, "random"), (1, one_source(A, 0), "partial"), (1, [0] * A, "random"),
+            (1, [1] * A, "skewed"), (1, one_source(A, A - 1), "random"), (1, [1] * A, "partial"),
             (8, [(3, 8, 1)[a % 3] for a in range(A)], "random"), (1, [1] * A, "random")]
 
 
