@@ -14,7 +14,8 @@
 #   san    compute-sanitizer memcheck of the tests/gpu cases SAN_K selects (default sanitizer)
 #   ab     benchmarks.run, arms afdep and afdep_alt with AB_ENV (NAME=VALUE ...), layouts
 #          AB_LAYOUTS (default "tokens experts"), T = AB_T, 3 repeats, within AB_LIMIT s
-#          (default 150; less when less is left)
+#          (default 150; less when less is left). ab2, ab3, ...: more A/Bs in the same call,
+#          each from its own AB2_ENV, AB2_T, AB2_LAYOUTS, AB2_LIMIT (files under $OUT/ab2, ...)
 #   bench  benchmarks.run, arms afdep and symmetric, both layouts, T = BENCH_T (default
 #          "1 32 128 512 2048"), BENCH_REPEATS (default 3), within what is left
 #   profile  scripts/gpu_profile.sh (ncu per kernel in lockstep; its CELLS, EXCHANGES, SAMPLED)
@@ -79,13 +80,15 @@ for s in ${STEPS:-}; do
     stamp "memcheck -k ${SAN_K:-sanitizer}"
     run_suite san "$t" SKIP_SAN=0 SAN_TIMEOUT=$(( t - 20 )) SAN_K="${SAN_K:-sanitizer}"
     grep -E "ERROR SUMMARY|passed|failed" "$ROOT/san/sanitizer.log" | tail -4 | tee -a "$ROOT/call.log";;
-  ab)
-    if [ -z "${AB_ENV:-}" ] || [ -z "${AB_T:-}" ]; then stamp "ab: set AB_ENV and AB_T"; continue; fi
-    t=$(secs 15 "${AB_LIMIT:-150}"); [ -n "$t" ] || continue
-    stamp "ab $AB_ENV T=$AB_T"
-    run_suite ab "$t" SKIP_BENCH=0 BENCH_TIMEOUT=$(( t - 20 )) BENCH_ARGS="--gpus 1 --arms afdep \
-afdep_alt --receive-layouts ${AB_LAYOUTS:-tokens experts} --tokens $AB_T --hidden 4096 --dtype bf16 \
---routing random --repeats 3 --alt-env $AB_ENV --time-budget $(( t - 30 )) --no-plot";;
+  ab|ab[0-9]*)
+    # ab reads AB_ENV, AB_T, ...; abN reads ABN_ENV, ABN_T, ... (indirect expansion)
+    v=AB${s#ab}; e="${v}_ENV" tv="${v}_T" lv="${v}_LAYOUTS" mv="${v}_LIMIT"
+    if [ -z "${!e:-}" ] || [ -z "${!tv:-}" ]; then stamp "$s: set ${e} and ${tv}"; continue; fi
+    t=$(secs 15 "${!mv:-150}"); [ -n "$t" ] || continue
+    stamp "$s ${!e} T=${!tv} layouts=${!lv:-tokens experts}"
+    run_suite "$s" "$t" SKIP_BENCH=0 BENCH_TIMEOUT=$(( t - 20 )) BENCH_ARGS="--gpus 1 --arms afdep \
+afdep_alt --receive-layouts ${!lv:-tokens experts} --tokens ${!tv} --hidden 4096 --dtype bf16 \
+--routing random --repeats 3 --alt-env ${!e} --time-budget $(( t - 30 )) --no-plot";;
   bench)
     t=$(secs 15); [ -n "$t" ] || continue
     stamp "bench T=${BENCH_T:-1 32 128 512 2048}"

@@ -43,3 +43,13 @@ def test_steps_without_time_left_are_skipped_and_the_call_still_packs(tmp_path):
 def test_ab_without_its_settings_is_reported_not_fatal(tmp_path):
     lines = _call(tmp_path, STEPS="ab nonesuch", LIMIT="60")
     assert lines[1:] == ["ab: set AB_ENV and AB_T", "unknown step nonesuch", "call done"], lines
+
+
+def test_numbered_ab_steps_read_their_own_settings(tmp_path):
+    """ab2 reads AB2_ENV / AB2_T, not AB_ENV: with only AB_* set it says which it lacks; with
+    AB2_* set and no time left it gets as far as the time check (skipped, not misreported)."""
+    lines = _call(tmp_path, STEPS="ab2 ab3", LIMIT="60", AB_ENV="X=1", AB_T="1",
+                  AB3_ENV="Y=1", AB3_T="1 2", AB3_LIMIT="10")
+    assert lines[1] == "ab2: set AB2_ENV and AB2_T", lines
+    assert lines[2].startswith("skipped: ") and lines[2].endswith("s left"), lines
+    assert lines[3:] == ["call done"], lines
