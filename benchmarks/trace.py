@@ -50,9 +50,9 @@ from benchmarks import arms, common
 from torch_afdep import mps
 
 # trace points (csrc/include/afdep/layout.h TracePoint)
-POINTS = 14
+POINTS = 15
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
- TABLE, LOADED, MASKED) = range(POINTS)
+ TABLE, LOADED, MASKED, MAX_START) = range(POINTS)
 PRE_HIT = TABLE  # the reply's slot of TABLE: kUnitReplyPre summed its preloaded rows
 D, C = 0, 1  # phases
 
@@ -69,8 +69,13 @@ def _less(a: Optional[int], b: Optional[int]) -> Optional[int]:
 
 
 #: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> ns or None, crosses GPUs)
+#: Each kernel's "CTA0 start -> last CTA start": how far apart its CTAs began (after their
+#: programmatic-launch wait), to tell a late CTA from a slow one in a stage that ends at the
+#: latest CTA.
 STAGES = [
     ("A dispatch: start -> last CTA sent", lambda da, ca, df, cf: _gap(da, MAX_SENT, da, START), False),
+    ("  A dispatch: CTA0 start -> last CTA start",
+     lambda da, ca, df, cf: _gap(da, MAX_START, da, START), False),
     # CTA 0's steps (at small T the CTA that holds the tokens): claim, payload copy, signal
     ("  A CTA0: start -> tokens claimed", lambda da, ca, df, cf: _gap(da, CLAIMED, da, START), False),
     # thread 0's first loads (its token's expert id, the exchange number): their latency
@@ -103,8 +108,12 @@ STAGES = [
     ("  F CTA0: ready -> its end", lambda da, ca, df, cf: _gap(df, END, df, READY), False),
     ("  F receive: CTA0 counts seen -> last CTA counts seen",
      lambda da, ca, df, cf: _gap(df, MAX_WAITED, df, WAITED), False),
+    ("  F receive: CTA0 start -> last CTA start",
+     lambda da, ca, df, cf: _gap(df, MAX_START, df, START), False),
     ("F gap: receive end -> reply start", lambda da, ca, df, cf: _gap(cf, START, df, MAX_END), False),
     ("F reply (start -> last CTA signalled)", lambda da, ca, df, cf: _gap(cf, MAX_SENT, cf, START), False),
+    ("  F reply: CTA0 start -> last CTA start",
+     lambda da, ca, df, cf: _gap(cf, MAX_START, cf, START), False),
     ("  F CTA0: start -> reduced rows written",
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, START), False),
     # thread 0's first row (token layout, early loads): its token index and first vector
@@ -130,6 +139,8 @@ STAGES = [
     ("  A CTA0: done seen -> its end", lambda da, ca, df, cf: _gap(ca, END, ca, WAITED), False),
     ("  A collect: CTA0 done seen -> last CTA done seen",
      lambda da, ca, df, cf: _gap(ca, MAX_WAITED, ca, WAITED), False),
+    ("  A collect: CTA0 start -> last CTA start",
+     lambda da, ca, df, cf: _gap(ca, MAX_START, ca, START), False),
     ("A kernels total (dispatch start -> combine end)", lambda da, ca, df, cf: _gap(ca, MAX_END, da, START), False),
     # the transport's own chain: the total less the caller's kernel between receive and reply
     # (on one GPU that gap is 2-3 µs longer than on two, since the ranks share the GPU around it)

@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const int gw = grid_warp<kSpread>(warp, kWarps);
   const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
-  trace_mark(L, kTrStart, -1);
+  trace_mark(L, kTrStart, kTrMaxStart);
 
   if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;

@@ -463,7 +463,7 @@ __device__ __forceinline__ void trace_flush(const Layout& L, int phase, uint64_t
   const uint64_t* s = trace_stamps();
   uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
   for (int i = 0; i < kTracePts; ++i) {
-    if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd) {
+    if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd || i == kTrMaxStart) {
       if (s[i] != 0)
         atomicMax(reinterpret_cast<unsigned long long*>(p + i), (unsigned long long)s[i]);
     } else if (blockIdx.x == 0) {

@@ -1434,7 +1434,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
   // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
-  trace_mark(L, kTrStart, -1);
+  trace_mark(L, kTrStart, kTrMaxStart);
   // the next kernel (the Attention's combine; on the FFN its CTAs find no free SM until ours
   // end) may take the SMs this grid leaves idle and wait there in pdl_wait. Not when every
   // rank waits for every other inside this kernel: on a GPU that ranks share, those parked

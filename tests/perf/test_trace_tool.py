@@ -23,20 +23,23 @@ def _ring(n_last, ring, stamp):
 
 def test_stage_medians_from_stamps():
     ring, last = 64, 200
+    # (the latest CTA starts: Attention dispatch 0.125, combine 7.5; FFN receive 991, reply
+    # 1014.5)
     # Attention: dispatch start 0, first loads 0.25, route mask 0.5, claimed 1, payload
     # written 3, sent 4, max sent 5 µs, end 6; combine start 7, waited 20 (the latest CTA
     # 20.5), CTA 0's end 21.25, the last CTA's end 22.
     att = {(0, trace.START): 0, (0, trace.LOADED): 0.25, (0, trace.MASKED): 0.5,
            (0, trace.CLAIMED): 1, (0, trace.COPIED): 3, (0, trace.SENT): 4,
-           (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6,
-           (1, trace.START): 7, (1, trace.WAITED): 20, (1, trace.MAX_WAITED): 20.5,
+           (0, trace.MAX_SENT): 5, (0, trace.MAX_END): 6, (0, trace.MAX_START): 0.125,
+           (1, trace.START): 7, (1, trace.MAX_START): 7.5, (1, trace.WAITED): 20, (1, trace.MAX_WAITED): 20.5,
            (1, trace.END): 21.25, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006 (the latest CTA 1006.75), table 1007, ready
     # 1009, CTA 0's end 1011, the last CTA's end 1012; reply start 1013, receipt loaded
     # 1013.25, first row loaded 1013.5, rows written 1016, max sent 1018.
-    ffn = {(0, trace.START): 990, (0, trace.WAITED): 1006, (0, trace.MAX_WAITED): 1006.75,
+    ffn = {(0, trace.START): 990, (0, trace.MAX_START): 991, (0, trace.WAITED): 1006, (0, trace.MAX_WAITED): 1006.75,
            (0, trace.TABLE): 1007, (0, trace.READY): 1009, (0, trace.END): 1011,
-           (0, trace.MAX_END): 1012, (1, trace.START): 1013, (1, trace.MASKED): 1013.25,
+           (0, trace.MAX_END): 1012, (1, trace.START): 1013, (1, trace.MAX_START): 1014.5,
+           (1, trace.MASKED): 1013.25,
            (1, trace.LOADED): 1013.5, (1, trace.WRITTEN): 1016, (1, trace.MAX_SENT): 1018}
 
     def stamps(table):
@@ -73,6 +76,11 @@ def test_stage_medians_from_stamps():
     assert s["  A CTA0: done seen -> its end"] == 1.25
     assert s["  A collect: CTA0 done seen -> last CTA done seen"] == 0.5
     assert s["A kernels total (dispatch start -> combine end)"] == 22
+    # each kernel's latest CTA start against CTA 0's
+    assert s["  A dispatch: CTA0 start -> last CTA start"] == 0.125
+    assert s["  F receive: CTA0 start -> last CTA start"] == 1
+    assert s["  F reply: CTA0 start -> last CTA start"] == 1.5
+    assert s["  A collect: CTA0 start -> last CTA start"] == 0.5
     assert s["A kernels total - F gap"] == 21
     # each crossing includes the 1000 µs clock offset, with opposite signs: their sum is the
     # true 1 µs (A -> F) + 2 µs (F -> A)

@@ -132,7 +132,7 @@ enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 // memory and writes them when it ends (kernels/common.cuh trace_flush); CTA 0 writes 0 for a
 // point its launch never reached.
 constexpr int kTraceRing = 64;
-constexpr int kTracePts = 14;
+constexpr int kTracePts = 15;
 enum TracePoint : int {
   kTrStart = 0,    // kernel start (CTA 0)
   kTrSent = 1,     // send stage done, signals written (CTA 0)
@@ -156,6 +156,7 @@ enum TracePoint : int {
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
                    // FFN reply (expert layout): that item's receipt loaded
+  kTrMaxStart = 14,  // latest CTA's kTrStart: against CTA 0's, how far apart the CTAs began
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
