@@ -860,7 +860,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
     payload, signal; the claim's first loads; count table; reply rows and, in the token layout
     at T = 1, the reply's first row loaded) are non-negative and add up within the stage they
-    split. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
+    split; each kernel's latest CTA start is at or after CTA 0's. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
@@ -921,3 +921,9 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
             assert all(0 <= p for p in rl), rl
             assert abs(sum(rl) - s["  F CTA0: start -> reduced rows written"]) < 0.5, (rl, s)
         assert 0 < s["A kernels total (dispatch start -> combine end)"] < r["latency_us"], s
+        # every CTA stamps its start (the latest one's against CTA 0's); the latest start
+        # precedes the latest end
+        spread = {k: v for k, v in s.items() if k.endswith("CTA0 start -> last CTA start")}
+        assert len(spread) == 4 and all(0 <= v < 1000 for v in spread.values()), spread
+        assert spread["  A dispatch: CTA0 start -> last CTA start"] <= \
+            s["A dispatch kernel (start -> last CTA end)"], s
