@@ -168,9 +168,10 @@ _CONTROLS = (
              "every CTA waits for every FFN rank's start units, meets a barrier, then reads "
              "the rows"),
     _control("AFDEP_FANOUT_EXPAND", 21, 0,
-             "experimental, off by default (written without a GPU in session 39, not yet run on "
-             "one): the expert layout's receive of flagged units (AFDEP_LL_EXPERTS) in its own "
-             "form, kUnitExpFan, whose units are (token, chunk of its row) instead of (token, "
+             "experimental, off by default (one H100, 0d14212: its GPU tests pass; 1A1F H4096 "
+             "4-5% slower at T = 1-7, 7.5% faster at T = 24): the expert layout's receive of "
+             "flagged units (AFDEP_LL_EXPERTS) in its own form, kUnitExpFan, whose units are "
+             "(token, chunk of its row) instead of (token, "
              "entry, chunk): a warp loads the token's metadata units and its chunk's row units "
              "once and stores the chunk into every row of the token's entries, the chunks one "
              "warp on each of several CTAs; at T = 1 (8 rows at 1A1F) 16 warps load the row's "
@@ -185,8 +186,9 @@ _CONTROLS = (
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
     _control("AFDEP_REPLY_PRELOAD", 23, 0,
-             "experimental, off by default (written without a GPU in session 39, not yet run on "
-             "one): the expert layout's reply of flagged units (kUnitReply) at bucket 1 runs "
+             "experimental, off by default (one H100, 0d14212: its GPU tests pass; 1A1F H4096 "
+             "no gain at T = 1, 2): the expert layout's reply of flagged units (kUnitReply) at "
+             "bucket 1 runs "
              "kUnitReplyPre, whose warps load their chunk of rows 0-7 (two 16-byte vectors a "
              "lane) together with the receipt words, before those name the token's rows: where "
              "every row of the token is among them (bucket 1 with one Attention rank and top-k "
@@ -198,8 +200,9 @@ _CONTROLS = (
              "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded "
              "once the receipt names them and added in entry order"),
     _control("AFDEP_PAIRED_POLL", 24, 0,
-             "experimental, off by default (written without a GPU in session 39, not yet run on "
-             "one): the FFN's receive of flagged units (either layout) polls each region's "
+             "experimental, off by default (one H100, 0d14212: its GPU tests pass; token layout "
+             "1A1F H4096 3-4% slower at T = 1, 7): the FFN's receive of flagged units (either "
+             "layout) polls each region's "
              "count-block flag together with its header units, and the collect of flagged "
              "reply units each FFN rank's completion count together with its start units, so a "
              "poll takes one load latency instead of two in turn (each wait a loop of its own "
