@@ -95,6 +95,9 @@ STAGES = [
     ("  A CTA0: claimed -> payload written", lambda da, ca, df, cf: _gap(da, COPIED, da, CLAIMED), False),
     ("  A CTA0: payload written -> counts signalled",
      lambda da, ca, df, cf: _gap(da, SENT, da, COPIED), False),
+    # the latest CTA's signal against CTA 0's: other CTAs' work (or their signals' fences)
+    ("  A dispatch: CTA0 signalled -> last CTA signalled",
+     lambda da, ca, df, cf: _gap(da, MAX_SENT, da, SENT), False),
     ("A dispatch kernel (start -> last CTA end)", lambda da, ca, df, cf: _gap(da, MAX_END, da, START), False),
     ("A gap: dispatch end -> combine start", lambda da, ca, df, cf: _gap(ca, START, da, MAX_END), False),
     ("x F receive started before A dispatch", lambda da, ca, df, cf: _gap(da, START, df, START), True),
@@ -121,6 +124,12 @@ STAGES = [
      lambda da, ca, df, cf: _gap(cf, LOADED, cf, START), False),
     ("    F CTA0: first row loaded -> rows written",
      lambda da, ca, df, cf: _gap(cf, WRITTEN, cf, LOADED), False),
+    # CTA 0's completion signal behind its rows (a system fence, then the count), and the
+    # latest CTA's signal against CTA 0's: at small T the reply's rows go as flagged units,
+    # which the collect takes without these signals, so this tail is off the Attention's path
+    ("  F CTA0: rows written -> signalled", lambda da, ca, df, cf: _gap(cf, SENT, cf, WRITTEN), False),
+    ("  F reply: CTA0 signalled -> last CTA signalled",
+     lambda da, ca, df, cf: _gap(cf, MAX_SENT, cf, SENT), False),
     # the expert layout's reply, thread 0's item: its receipt (token index, rows, count), then
     # its first 8 rows' vectors (the LOADED point above; only a token with 8 or more rows
     # stamps it). At small T (the one-pass reply: one item per warp) that is its first item;

@@ -867,7 +867,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
     payload, signal; the claim's first loads; count table; reply rows and, in the token layout
     at T = 1, the reply's first row loaded) are non-negative and add up within the stage they
-    split; each kernel's latest CTA start is at or after CTA 0's. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
+    split (the reply also at CTA 0's signal); each kernel's latest CTA start is at or after
+    CTA 0's. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
@@ -922,6 +923,13 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
             assert 0 <= s[table] <= s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \
             s["F reply (start -> last CTA signalled)"], s
+        # the reply split at CTA 0's signal: its rows, its fence and count, the other CTAs
+        tail = [s["  F CTA0: start -> reduced rows written"], s["  F CTA0: rows written -> signalled"],
+                s["  F reply: CTA0 signalled -> last CTA signalled"]]
+        assert all(0 <= p for p in tail), tail
+        assert abs(sum(tail) - s["F reply (start -> last CTA signalled)"]) < 0.5, (tail, s)
+        assert 0 <= s["  A dispatch: CTA0 signalled -> last CTA signalled"] <= \
+            s["A dispatch: start -> last CTA sent"], s
         if layout == "tokens" and r["tokens"] == 1:  # the reply's early loads
             rl = [s["    F CTA0: start -> first row loaded"],
                   s["    F CTA0: first row loaded -> rows written"]]

@@ -35,12 +35,13 @@ def test_stage_medians_from_stamps():
            (1, trace.END): 21.25, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006 (the latest CTA 1006.75), table 1007, ready
     # 1009, CTA 0's end 1011, the last CTA's end 1012; reply start 1013, receipt loaded
-    # 1013.25, first row loaded 1013.5, rows written 1016, max sent 1018.
+    # 1013.25, first row loaded 1013.5, rows written 1016, CTA 0 sent 1016.5, max sent 1018.
     ffn = {(0, trace.START): 990, (0, trace.MAX_START): 991, (0, trace.WAITED): 1006, (0, trace.MAX_WAITED): 1006.75,
            (0, trace.TABLE): 1007, (0, trace.READY): 1009, (0, trace.END): 1011,
            (0, trace.MAX_END): 1012, (1, trace.START): 1013, (1, trace.MAX_START): 1014.5,
            (1, trace.MASKED): 1013.25,
-           (1, trace.LOADED): 1013.5, (1, trace.WRITTEN): 1016, (1, trace.MAX_SENT): 1018}
+           (1, trace.LOADED): 1013.5, (1, trace.WRITTEN): 1016, (1, trace.SENT): 1016.5,
+           (1, trace.MAX_SENT): 1018}
 
     def stamps(table):
         def at(n, ph, pt):  # ns; exchange n starts at n * 10 ms
@@ -60,6 +61,9 @@ def test_stage_medians_from_stamps():
     assert s["      A CTA0: route mask known -> tokens claimed"] == 0.5
     assert s["  A CTA0: claimed -> payload written"] == 2
     assert s["  A CTA0: payload written -> counts signalled"] == 1
+    assert s["  A dispatch: CTA0 signalled -> last CTA signalled"] == 1
+    assert s["  F CTA0: rows written -> signalled"] == 0.5
+    assert s["  F reply: CTA0 signalled -> last CTA signalled"] == 1.5
     assert s["  F CTA0: counts seen -> count table loaded"] == 1
     assert s["  F CTA0: start -> reduced rows written"] == 3
     assert s["    F CTA0: start -> first row loaded"] == 0.5
