@@ -7,7 +7,9 @@
 # Steps (in the order given; one that would have under MIN_STEP_S (45) seconds is skipped):
 #   build  pip install --no-build-isolation --no-deps -e . (build_inplace.py if pip fails)
 #   trace  benchmarks.trace --arms afdep --replays 60 per layout of TRACE_LAYOUTS (default
-#          "tokens experts") at TRACE_T (default 1), TRACE_EXTRA appended (e.g. --afdep-env X=1)
+#          "tokens experts") at TRACE_T (default 1), TRACE_EXTRA appended (e.g. --afdep-env X=1);
+#          trace2, trace3, ...: more traces in the same call from TRACE2_LAYOUTS, TRACE2_T,
+#          TRACE2_EXTRA, ... (files under $OUT/trace2-<layout>, ...)
 #   suite  the GPU suite's tests (gpu_suite.sh custom, SHARDS=1, BUILD=skip): PYTEST_K selects,
 #          RESUME="<summary.txt or shard logs> ..." skips what passed there, SUITE_BUDGET (s;
 #          default: what is left less 60, the suite's own set-up and the pack)
@@ -58,12 +60,15 @@ for s in ${STEPS:-}; do
     stamp "build"
     run_suite build "$t" BUILD=pip
     grep -h "extension ok" "$ROOT/build/build.log" | tee -a "$ROOT/call.log";;
-  trace)
-    for lay in ${TRACE_LAYOUTS:-tokens experts}; do
+  trace|trace[0-9]*)
+    # trace reads TRACE_LAYOUTS, TRACE_T, TRACE_EXTRA; traceN reads TRACEN_* (files under
+    # $OUT/traceN-<layout>)
+    v=TRACE${s#trace}; lv="${v}_LAYOUTS" tv="${v}_T" xv="${v}_EXTRA"
+    for lay in ${!lv:-tokens experts}; do
       t=$(secs 15 130); [ -n "$t" ] || break
-      stamp "trace $lay T=${TRACE_T:-1} ${TRACE_EXTRA:-}"
-      run_suite "trace-$lay" "$t" TRACE=1 TRACE_TIMEOUT=$(( t - 20 )) TRACE_ARGS="--tokens ${TRACE_T:-1} \
---arms afdep --receive-layout $lay --replays 60 ${TRACE_EXTRA:-}"
+      stamp "$s $lay T=${!tv:-1} ${!xv:-}"
+      run_suite "$s-$lay" "$t" TRACE=1 TRACE_TIMEOUT=$(( t - 20 )) TRACE_ARGS="--tokens ${!tv:-1} \
+--arms afdep --receive-layout $lay --replays 60 ${!xv:-}"
     done;;
   suite)
     t=$(secs 15); [ -n "$t" ] || continue

@@ -225,6 +225,13 @@ _CONTROLS = (
              "matched, other ranks' ids dropped), so that most of the claim's work is off the "
              "path to the FFN; the same outputs; 0 = warp 0 claims first (route, duplicates, this "
              "rank's entries) and the metadata units carry the entries"),
+    _control("AFDEP_UNIT_SIGNAL", 26, 0,
+             "experimental, off by default (not yet run on a GPU): the reply of flagged units "
+             "(either layout, small buckets): a CTA that wrote only flagged row units adds its "
+             "completion count without the system fence in front (the collect takes those "
+             "units by their flags, not behind the count); the CTAs that wrote the start units "
+             "or a mismatch status, which the collect reads behind the count, still fence; the "
+             "same outputs; 0 = every CTA fences before its count"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

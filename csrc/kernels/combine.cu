@@ -220,15 +220,16 @@ __device__ void reply_token_rows(const Layout& L, const CombineArgs& a, char* co
 
 // FFN, CTA 0: if this rank's receive took nothing from Attention rank ai (its bucket
 // differed), tell ai, ahead of the CTA's completion signal (the fence in front covers it).
-__device__ __forceinline__ void report_mismatch(const Layout& L, const CombineArgs& a, int ai,
+__device__ __forceinline__ bool report_mismatch(const Layout& L, const CombineArgs& a, int ai,
                                                 uint64_t n) {
   const int sb = L.mismatch[ai];
-  if (sb == 0) return;
+  if (sb == 0) return false;
   ReplyStatus* st = reinterpret_cast<ReplyStatus*>(attn_window(L, ai) +
                                                    L.off_reply_status) + L.my_index;
   st->ffn_bucket = a.bucket;
   st->sender_bucket = sb;
   st->seq = n;
+  return true;
 }
 
 // reply_token_rows with F_EARLY_LOADS: each warp loads its chunk of the row together with the
@@ -624,6 +625,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   }
 
   if (!kRecvOnly && a.do_send) {
+    // F_UNIT_SIGNAL: this thread wrote something the completion count must follow (plain
+    // rows, the start units, a mismatch status), not only flagged row units
+    int plain = 1;
     // F_EARLY_LOADS with few rows (token layout) or receipt slots (expert layout): at least
     // four warps for each, in one pass of the grid. The units are fixed by the bucket, so no
     // warp waits for the token counts before loading its row (the counts only say which
@@ -644,6 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const bool units_fit = L.llc && (a.tokens ? a.rps : a.bucket) <= L.llc_tokens;
       const uint32_t llf = (kUnits || (!kSmall && units_fit)) ? ll_flag(n) : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
+      plain = !llf || !(fl & F_UNIT_SIGNAL);
       // The start units, by the grid's last CTA (on CTA 0 the mismatch load and the stores sat
       // in front of the first row's first chunk)
       if (kSpread) {
@@ -653,11 +658,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
              ai += 32) {
           const int sb = L.mismatch[ai];
           st_ll2(llc_start(L, attn_window(L, ai), L.my_index), sb ? a.bucket : 0, sb, llf);
+          plain = 1;
         }
       } else {  // whose warps hold no row (at most: units * nch <= nw)
         for (int ai = tid; llf && c == (int)gridDim.x - 1 && ai < L.A; ai += blockDim.x) {
           const int sb = L.mismatch[ai];
           st_ll2(llc_start(L, s_ab[ai], L.my_index), sb ? a.bucket : 0, sb, llf);
+          plain = 1;
         }
       }
       if (kForm == kSmallSend || (!kSmall && a.tokens)) {
@@ -673,7 +680,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         }
       }
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
-      for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x) report_mismatch(L, a, ai, n);
+      for (int ai = tid; c == 0 && ai < L.A; ai += blockDim.x)
+        if (report_mismatch(L, a, ai, n)) plain = 1;
     } else if (a.real_send) {
       const int src_idx = (fl & F_ROLE_BUFFERS) ? L.my_index : L.rank;
       for (int ai = tid; ai < L.A; ai += blockDim.x) {
@@ -700,7 +708,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         }
       }
     }
-    sys_fence_then_sync(L);
+    if (L.debug & kDbgThreadFence) fence_acq_rel_sys();  // (sys_fence_then_sync's)
+    // F_UNIT_SIGNAL: a CTA that wrote only flagged row units adds its count without the
+    // system fence. The collect takes those units by their flags, never behind this count; it
+    // reads behind the count only the start units and mismatch status, whose CTAs still fence,
+    // and where the count reaches its target those CTAs' fenced adds are in it
+    const bool fenced = __syncthreads_or(plain) != 0;
     trace_mark(L, kTrWritten, -1);  // the signalling fences come next
     if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
@@ -708,7 +721,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       for (int ti = tid; ti < ntg; ti += blockDim.x) {
         char* base = all_peers ? peer_base(L, ti)
                      : a.real_send ? s_ab[ti] : attn_window(L, ti);
-        signal_add_sys(L, reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank, 1);
+        uint64_t* done = reinterpret_cast<uint64_t*>(base + L.off_comb_done) + L.rank;
+        if (fenced) signal_add_sys(L, done, 1); else red_add_relaxed_sys(done, 1);
       }
     }
     if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && (c == 0 || c == gridDim.x - 1))

@@ -133,11 +133,12 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY),
+    ("AFDEP_TEST_REPLY_DELAY_MS", {"AFDEP_UNIT_SIGNAL": "1"})],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
-         "dispatch-no_early_loads"])
+         "dispatch-no_early_loads", "reply-unit_signal"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -683,6 +684,48 @@ def test_paired_poll_graph_replays(dtype, bucket, tokens):
                        forms=(("kUnitExpRecv", None), ("kSmallSend", "kSmallRecv")))
 
 
+# AFDEP_UNIT_SIGNAL (experimental, off by default): a reply CTA that wrote only flagged row
+# units adds its completion count without a system fence; the CTAs of the start units and of a
+# mismatch status still fence
+UNIT = {"AFDEP_UNIT_SIGNAL": "1"}
+UNIT_BIT = controls.CONTROLS["AFDEP_UNIT_SIGNAL"].bit
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                          ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
+def test_unit_signal_eager(layout, dtype):
+    """AFDEP_UNIT_SIGNAL=1: every exchange of lone_plan, llx_plan and preload_plan exact on
+    every rank. The expert layout's replies of flagged units (kUnitReply, most of their CTAs'
+    counts unfenced) alternate with replies in the count form (buckets 48 and 128, every CTA
+    fenced), whose collects read the rows behind the count: the counts stay in step across
+    both."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A) +
+              preload_plan(A), env={**UNIT, **LLX}, seed=89)
+    for r, st in enumerate(res):
+        assert st["flags"] & UNIT_BIT, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert "kUnitReply" in st["forms"][1] and len(st["forms"][1]) > 1, (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 24, 7)],
+                         ids=["bf16-B1-T1", "fp8-B24-T7"])
+def test_unit_signal_graph_replays(dtype, bucket, tokens):
+    """AFDEP_UNIT_SIGNAL=1, 100 checked graph replays of a 1A1F exchange whose reply goes as
+    flagged units (kUnitReply) with unfenced counts: every replay's rows exact, so no collect
+    took a count ahead of the start units it reads behind it."""
+    graph_replays_1a1f(dtype, bucket, tokens, UNIT, 9993,
+                       forms=((None, "kUnitReply"), (None, "kSmallRecv")))
+
+
+def test_unit_signal_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_UNIT_SIGNAL=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units replies at buckets 1 and 8 around a count-form one (48)."""
+    kw = cfg_kw("1A1F", 48, 4096)
+    run("1A1F", kw, [(1, [1], "random"), (8, [5], "partial"), (48, [40], "random"),
+                     (1, [1], "skewed")], env=UNIT, seed=37)
+
+
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
 # on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
 # run in every other small-T test; these revert it, or run it on small grids
@@ -859,9 +902,11 @@ def test_sanitizer_small():
 @pytest.mark.parametrize("layout,afdep_env", [
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
-    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"])],
+    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"]),
+    ("tokens", ["AFDEP_UNIT_SIGNAL=1"]), ("experts", ["AFDEP_UNIT_SIGNAL=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload", "tokens-paired_poll"])
+         "experts-fanout", "experts-reply_preload", "tokens-paired_poll", "tokens-unit_signal",
+         "experts-unit_signal"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -872,7 +917,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
-    AFDEP_PAIRED_POLL=1, the default forms."""
+    AFDEP_PAIRED_POLL=1, the default forms; unit_signal: AFDEP_UNIT_SIGNAL=1, the default
+    forms (the reply's counts unfenced)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -893,7 +939,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
-                "AFDEP_PAIRED_POLL=1": "kSmallSend"}
+                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

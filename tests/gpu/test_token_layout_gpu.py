@@ -708,6 +708,23 @@ def test_token_layout_paired_poll_graphs(layout, dtype_name, cap):
                      zero_copy=True, attention_form="kEarlyCollect")
 
 
+@pytest.mark.parametrize("layout,dtype_name,cap,small", [
+    ("1A1F", "bfloat16", 4, "1"), ("2A2F", "float8_e4m3fn", 4, "1"), ("1A3F", "bfloat16", 4, "1"),
+    ("3A1F", "bfloat16", CAP, "1"), ("2A2F", "bfloat16", 4, "0")],
+    ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form", "2A2F-generic"])
+def test_token_layout_unit_signal_graphs(layout, dtype_name, cap, small):
+    """test_token_layout_early_collect_graphs with AFDEP_UNIT_SIGNAL=1 (experimental): the
+    reply's CTAs that wrote only row units (kSmallSend, or the generic kernel with
+    AFDEP_SMALL_KERNELS=0) add their counts unfenced, the start units' CTA fenced; at bucket
+    CAP the FFN replies in the count form (every CTA fenced), whose rows the collect reads
+    behind the count. Every row exact."""
+    run_token_graphs(layout, dtype_name,
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_UNIT_SIGNAL": "1",
+                          "AFDEP_SMALL_KERNELS": small}, cap=cap,
+                     zero_copy=True, attention_form="kEarlyCollect" if small == "1" else None,
+                     ffn_form="kSmallSend" if cap == 4 and small == "1" else None)
+
+
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):

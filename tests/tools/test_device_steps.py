@@ -53,3 +53,12 @@ def test_numbered_ab_steps_read_their_own_settings(tmp_path):
     assert lines[1] == "ab2: set AB2_ENV and AB2_T", lines
     assert lines[2].startswith("skipped: ") and lines[2].endswith("s left"), lines
     assert lines[3:] == ["call done"], lines
+
+
+def test_numbered_trace_steps_read_their_own_settings(tmp_path):
+    """trace2 is a step (TRACE2_LAYOUTS / TRACE2_T / TRACE2_EXTRA), not an unknown one: with
+    no time left it gets as far as the time check and stops at its first layout."""
+    lines = _call(tmp_path, STEPS="trace2", LIMIT="50", TRACE_LAYOUTS="a b c",
+                  TRACE2_LAYOUTS="tokens", TRACE2_EXTRA="--afdep-env X=1")
+    assert len(lines) == 3 and lines[1].startswith("skipped: "), lines
+    assert lines[2] == "call done", lines

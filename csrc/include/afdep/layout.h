@@ -61,7 +61,9 @@ namespace afdep {
                                poll, not two in turn (experimental) */                        \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
-                               (kRawSend, kRawRecv, experimental) */
+                               (kRawSend, kRawRecv, experimental) */                          \
+  X(UNIT_SIGNAL, 26)        /* the reply: a CTA that wrote only flagged row units adds its    \
+                               completion count without a system fence (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
