@@ -109,6 +109,12 @@ STAGES = [
     # CTA 0's own end against the latest CTA's wait (every CTA of the receive waits for the
     # headers or counts; the placement is spread over the grid)
     ("  F CTA0: ready -> its end", lambda da, ca, df, cf: _gap(df, END, df, READY), False),
+    # the token layout's units receive, thread 0's first row (at T = 1 the token's): its
+    # metadata units seen (their wait), then that row's metadata written, its CTA's barrier
+    ("    F CTA0: ready -> token units seen", lambda da, ca, df, cf: _gap(df, LOADED, df, READY),
+     False),
+    ("    F CTA0: token units seen -> its end", lambda da, ca, df, cf: _gap(df, END, df, LOADED),
+     False),
     ("  F receive: CTA0 counts seen -> last CTA counts seen",
      lambda da, ca, df, cf: _gap(df, MAX_WAITED, df, WAITED), False),
     ("  F receive: CTA0 start -> last CTA start",

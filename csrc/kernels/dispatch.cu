@@ -1065,6 +1065,8 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       } else if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, col)) {
         return;
       }
+      // traced only: thread 0's first row (at T = 1 the token's), its metadata units seen
+      if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
       w = __int_as_float(wi);
       if (el < 0 || el >= L.El) col = -1;
     } else if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked

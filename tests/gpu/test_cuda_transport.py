@@ -976,6 +976,11 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         assert abs(sum(tail) - s["F reply (start -> last CTA signalled)"]) < 0.5, (tail, s)
         assert 0 <= s["  A dispatch: CTA0 signalled -> last CTA signalled"] <= \
             s["A dispatch: start -> last CTA sent"], s
+        if layout == "tokens" and r["tokens"] == 1:  # the units receive's token units
+            tu = [s["    F CTA0: ready -> token units seen"],
+                  s["    F CTA0: token units seen -> its end"]]
+            assert all(0 <= p for p in tu), tu
+            assert abs(sum(tu) - s["  F CTA0: ready -> its end"]) < 0.5, (tu, s)
         if layout == "tokens" and r["tokens"] == 1:  # the reply's early loads
             rl = [s["    F CTA0: start -> first row loaded"],
                   s["    F CTA0: first row loaded -> rows written"]]

@@ -34,11 +34,12 @@ def test_stage_medians_from_stamps():
            (1, trace.START): 7, (1, trace.MAX_START): 7.5, (1, trace.WAITED): 20, (1, trace.MAX_WAITED): 20.5,
            (1, trace.END): 21.25, (1, trace.MAX_END): 22}
     # FFN, clock 1000 µs ahead: receive waited 1006 (the latest CTA 1006.75), table 1007, ready
-    # 1009, CTA 0's end 1011, the last CTA's end 1012; reply start 1013, receipt loaded
+    # 1009, token units seen 1010.5, CTA 0's end 1011, the last CTA's end 1012; reply start 1013, receipt loaded
     # 1013.25, first row loaded 1013.5, rows written 1016, CTA 0 sent 1016.5, max sent 1018.
     ffn = {(0, trace.START): 990, (0, trace.MAX_START): 991, (0, trace.WAITED): 1006, (0, trace.MAX_WAITED): 1006.75,
            (0, trace.TABLE): 1007, (0, trace.READY): 1009, (0, trace.END): 1011,
-           (0, trace.MAX_END): 1012, (1, trace.START): 1013, (1, trace.MAX_START): 1014.5,
+           (0, trace.LOADED): 1010.5, (0, trace.MAX_END): 1012, (1, trace.START): 1013,
+           (1, trace.MAX_START): 1014.5,
            (1, trace.MASKED): 1013.25,
            (1, trace.LOADED): 1013.5, (1, trace.WRITTEN): 1016, (1, trace.SENT): 1016.5,
            (1, trace.MAX_SENT): 1018}
@@ -74,6 +75,8 @@ def test_stage_medians_from_stamps():
     assert s["F counts seen -> offsets ready"] == 3
     assert s["F expansion (ready -> last CTA end)"] == 3
     assert s["  F CTA0: ready -> its end"] == 2
+    assert s["    F CTA0: ready -> token units seen"] == 1.5
+    assert s["    F CTA0: token units seen -> its end"] == 0.5
     assert s["  F receive: CTA0 counts seen -> last CTA counts seen"] == 0.75
     assert s["F gap: receive end -> reply start"] == 1
     assert s["A collect (done seen -> last CTA end)"] == 2

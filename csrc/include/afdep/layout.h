@@ -154,7 +154,8 @@ enum TracePoint : int {
                    // expert id (F_EARLY_LOADS) and the exchange number; FFN reply
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector;
                    // FFN reply (expert layout), its item's first 8 rows' vectors (at small
-                   // T its first item; at large T, generic path, its last)
+                   // T its first item; at large T, generic path, its last); FFN receive
+                   // (flagged units, token layout), its first row's metadata units seen
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
                    // FFN reply (expert layout): that item's receipt loaded
