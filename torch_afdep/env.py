@@ -225,13 +225,19 @@ _CONTROLS = (
              "matched, other ranks' ids dropped), so that most of the claim's work is off the "
              "path to the FFN; the same outputs; 0 = warp 0 claims first (route, duplicates, this "
              "rank's entries) and the metadata units carry the entries"),
-    _control("AFDEP_UNIT_SIGNAL", 26, 0,
-             "experimental, off by default (not yet run on a GPU): the reply of flagged units "
-             "(either layout, small buckets): a CTA that wrote only flagged row units adds its "
-             "completion count without the system fence in front (the collect takes those "
-             "units by their flags, not behind the count); the CTAs that wrote the start units "
-             "or a mismatch status, which the collect reads behind the count, still fence; the "
+    _control("AFDEP_UNIT_SIGNAL", 26, 1,
+             "the reply of flagged units (either layout, small buckets): a CTA that wrote only "
+             "flagged row units adds its completion count without the system fence in front "
+             "(the collect takes those units by their flags, not behind the count); the CTAs "
+             "that wrote the start units or a mismatch status, which the collect reads behind "
+             "the count, still fence; at T = 1 (one H100) the reply kernel ends 0.45 us "
+             "(token layout) and 0.8 us (expert layout) sooner, the round trip unchanged; the "
              "same outputs; 0 = every CTA fences before its count"),
+    _control("AFDEP_SETTLE_UNITS", 27, 1,
+             "the FFN's receive of flagged units (either layout): a token's entry units (id, "
+             "weight, column) that its first load found stale are reloaded together in each "
+             "poll once its header is seen, so units that landed meanwhile cost no load "
+             "latency of their own; the same outputs; 0 = each entry unit spun on in turn"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

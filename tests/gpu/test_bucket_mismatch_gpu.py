@@ -105,7 +105,7 @@ CASES = {
                               [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "paired_poll_ffn_counts": ({"AFDEP_PAIRED_POLL": "1"}, dict(receive_layout="tokens"),
                                [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    # AFDEP_UNIT_SIGNAL (experimental): the reply's units CTAs unfenced; the FFN's start units
+    # AFDEP_UNIT_SIGNAL (the default; set here all the same): the reply's units CTAs unfenced; the FFN's start units
     # (bucket 4) tell the mismatch, in either layout, behind the count of a collect that reads
     # them there; and the FFN's count form (bucket 16) beside the Attention's units
     "unit_signal": ({"AFDEP_UNIT_SIGNAL": "1"}, dict(receive_layout="tokens"), EXCHANGES),

@@ -133,12 +133,11 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_REPLY_DELAY_MS", {"AFDEP_UNIT_SIGNAL": "1"})],
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
-         "dispatch-no_early_loads", "reply-unit_signal"])
+         "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -162,7 +161,8 @@ def test_zero_copy_collect(env):
 SINGLE = ["AFDEP_ROLE_BUFFERS", "AFDEP_NO_ENTRY_BARRIER", "AFDEP_ONE_WAY_COUNTS",
           "AFDEP_RECEIVER_WAIT_ONLY", "AFDEP_ROLE_WARPS", "AFDEP_SINGLE_FFN", "AFDEP_WIDE_LOCAL",
           "AFDEP_EARLY_COUNTS", "AFDEP_PDL", "AFDEP_ONE_FENCE", "AFDEP_EARLY_LOADS",
-          "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS", "AFDEP_SPREAD_CHUNKS"]
+          "AFDEP_PARAM_BASES", "AFDEP_LL_EXPERTS", "AFDEP_SPREAD_CHUNKS", "AFDEP_UNIT_SIGNAL",
+          "AFDEP_SETTLE_UNITS"]
 # AFDEP_STREAM_EXPANSION acts only from 48 tokens per CTA (these cases have at most 6):
 # test_stream_expansion_reverted_eager reverts it at T = 2048
 # test_each_control_reverted_alone's (cap, hidden, dtype) per layout: the controls' own eager
@@ -684,9 +684,9 @@ def test_paired_poll_graph_replays(dtype, bucket, tokens):
                        forms=(("kUnitExpRecv", None), ("kSmallSend", "kSmallRecv")))
 
 
-# AFDEP_UNIT_SIGNAL (experimental, off by default): a reply CTA that wrote only flagged row
-# units adds its completion count without a system fence; the CTAs of the start units and of a
-# mismatch status still fence
+# AFDEP_UNIT_SIGNAL (on by default; set here all the same): a reply CTA that wrote only flagged
+# row units adds its completion count without a system fence; the CTAs of the start units and
+# of a mismatch status still fence (reverted: test_each_control_reverted_alone)
 UNIT = {"AFDEP_UNIT_SIGNAL": "1"}
 UNIT_BIT = controls.CONTROLS["AFDEP_UNIT_SIGNAL"].bit
 
@@ -903,10 +903,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"]),
-    ("tokens", ["AFDEP_UNIT_SIGNAL=1"]), ("experts", ["AFDEP_UNIT_SIGNAL=1"])],
+    ("tokens", ["AFDEP_SETTLE_UNITS=0"]), ("experts", ["AFDEP_UNIT_SIGNAL=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload", "tokens-paired_poll", "tokens-unit_signal",
-         "experts-unit_signal"])
+         "experts-fanout", "experts-reply_preload", "tokens-paired_poll", "tokens-settle_off",
+         "experts-unit_signal_off"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -917,8 +917,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
-    AFDEP_PAIRED_POLL=1, the default forms; unit_signal: AFDEP_UNIT_SIGNAL=1, the default
-    forms (the reply's counts unfenced)."""
+    AFDEP_PAIRED_POLL=1, the default forms; settle_off, unit_signal_off: AFDEP_SETTLE_UNITS=0,
+    AFDEP_UNIT_SIGNAL=0 (on by default), the default forms."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -939,7 +939,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
-                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=1": "kSmallSend"}
+                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
+                "AFDEP_UNIT_SIGNAL=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

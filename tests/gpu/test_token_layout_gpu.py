@@ -713,7 +713,7 @@ def test_token_layout_paired_poll_graphs(layout, dtype_name, cap):
     ("3A1F", "bfloat16", CAP, "1"), ("2A2F", "bfloat16", 4, "0")],
     ids=["1A1F", "2A2F", "1A3F", "3A1F-count-form", "2A2F-generic"])
 def test_token_layout_unit_signal_graphs(layout, dtype_name, cap, small):
-    """test_token_layout_early_collect_graphs with AFDEP_UNIT_SIGNAL=1 (experimental): the
+    """test_token_layout_early_collect_graphs with AFDEP_UNIT_SIGNAL=1 (the default): the
     reply's CTAs that wrote only row units (kSmallSend, or the generic kernel with
     AFDEP_SMALL_KERNELS=0) add their counts unfenced, the start units' CTA fenced; at bucket
     CAP the FFN replies in the count form (every CTA fenced), whose rows the collect reads
