@@ -233,11 +233,6 @@ _CONTROLS = (
              "the count, still fence; at T = 1 (one H100) the reply kernel ends 0.45 us "
              "(token layout) and 0.8 us (expert layout) sooner, the round trip unchanged; the "
              "same outputs; 0 = every CTA fences before its count"),
-    _control("AFDEP_SETTLE_UNITS", 27, 0,
-             "experimental, off by default (not yet run on a GPU): the FFN's receive of flagged units (either layout): a token's entry units (id, "
-             "weight, column) that its first load found stale are reloaded together in each "
-             "poll once its header is seen, so units that landed meanwhile cost no load "
-             "latency of their own; the same outputs; 0 = each entry unit spun on in turn"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -923,33 +923,15 @@ __device__ __forceinline__ TokenUnits paired_token_units(const uint64_t* u, uint
   return t;
 }
 
-// F_SETTLE_UNITS: lane r's entry units at p (its id, weight and column: p, p + R, p + 2R),
-// from their first loads: while any is stale, each poll reloads every stale one at once, so
-// units that landed while another was spun on cost no load latency of their own (the sender
-// stores a token's header before its entries, so these are mostly in flight when the header
-// is seen). False at the deadline (reported).
-__device__ __forceinline__ bool settle_entry(const uint64_t* p, int R, uint32_t llf,
-                                             uint64_t deadline, ErrorBlock* err, int sr,
-                                             int rank, uint64_t& ue, uint64_t& uw, uint64_t& uc) {
-  uint32_t spins = 0;
-  while (!(ll_fresh(ue, llf) && ll_fresh(uw, llf) && ll_fresh(uc, llf))) {
-    if (ll_give_up(spins, deadline, err, kPhaseDispatch, sr, rank)) return false;
-    if (!ll_fresh(ue, llf)) ue = ld_ll(p);
-    if (!ll_fresh(uw, llf)) uw = ld_ll(p + R);
-    if (!ll_fresh(uc, llf)) uc = ld_ll(p + 2 * R);
-  }
-  return true;
-}
-
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
 // every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
-// -1 from nloc on), all loaded at once (one latency), then the header spun on until fresh,
-// then the entries: with F_SETTLE_UNITS together (settle_entry), else each unit in turn (its
-// id, weight, column), so a unit that landed while an earlier one was spun on costs a load
-// latency all the same (its first load was stale). False at the deadline (reported), in every
-// lane. kPaired (kUnitExpFan) with F_PAIRED_POLL: paired_token_units instead (in that
-// experimental form only, so that no default form carries its code: in kUnitExpRecv it took
-// 92 registers to 105)
+// -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
+// at the deadline (reported), in every lane.
+// Each unit is spun on in turn (the header, then each lane's id, weight and column), so a unit
+// that landed while an earlier one was spun on costs a load latency all the same (its first
+// load was stale). kPaired (kUnitExpFan) with F_PAIRED_POLL: paired_token_units instead (in
+// that experimental form only, so that no default form carries its code: in kUnitExpRecv it
+// took 92 registers to 105)
 template <bool kPaired = false>
 __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, int& tok, int& nloc,
@@ -980,12 +962,7 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
   el = -1;
   wi = 0;
   col = -1;
-  if (lane < nloc && (L.flags & F_SETTLE_UNITS)) {
-    ok = ok && settle_entry(u + 2 + lane, L.R, llf, deadline, L.err, sr, L.rank, ue, uw, uc);
-    el = (int)(uint32_t)ue;
-    wi = (int)(uint32_t)uw;
-    col = (int)(uint32_t)uc;
-  } else if (lane < nloc) {
+  if (lane < nloc) {
     ok = ok && ll_settle(u + 2 + lane, ue, llf, deadline, L.err, ph, sr, L.rank, el) &&
          ll_settle(u + 2 + L.R + lane, uw, llf, deadline, L.err, ph, sr, L.rank, wi) &&
          ll_settle(u + 2 + 2 * L.R + lane, uc, llf, deadline, L.err, ph, sr, L.rank, col);

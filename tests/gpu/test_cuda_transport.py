@@ -133,12 +133,11 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", {"AFDEP_SETTLE_UNITS": "1"})],
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
-         "dispatch-no_early_loads", "dispatch-settle_units"])
+         "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
@@ -726,35 +725,6 @@ def test_unit_signal_sanitizer_small():
                      (1, [1], "skewed")], env=UNIT, seed=37)
 
 
-# AFDEP_SETTLE_UNITS (experimental, off by default): the units receive reloads a token's stale
-# entry units together once its header is seen (load_token_units, settle_entry)
-SETTLE = {"AFDEP_SETTLE_UNITS": "1"}
-
-
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                          ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
-def test_settle_units_eager(layout, dtype):
-    """AFDEP_SETTLE_UNITS=1: every exchange of lone_plan and llx_plan exact on every rank, the
-    expert layout's units receive (kUnitExpRecv: its lone path and its count table both read
-    the tokens' metadata units through load_token_units) between count-form receives."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
-              env={**SETTLE, **LLX}, seed=91)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_SETTLE_UNITS"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 24, 7)],
-                         ids=["bf16-B1-T1", "fp8-B24-T7"])
-def test_settle_units_graph_replays(dtype, bucket, tokens):
-    """AFDEP_SETTLE_UNITS=1, 100 checked graph replays of a 1A1F exchange in the expert
-    layout's units (one token in all, then 7 over 24 channels)."""
-    graph_replays_1a1f(dtype, bucket, tokens, SETTLE, 9995,
-                       forms=(("kUnitExpRecv", None), ("kSmallSend", "kSmallRecv")))
-
-
 # AFDEP_SPREAD_CHUNKS (on by default): the small combine forms give a row's chunks to one warp
 # on each of several CTAs; the same forms (kUnitReply, kSmallRecv). The default's exchanges
 # run in every other small-T test; these revert it, or run it on small grids
@@ -932,11 +902,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"]),
-    ("tokens", ["AFDEP_SETTLE_UNITS=1"]), ("experts", ["AFDEP_SETTLE_UNITS=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload", "tokens-paired_poll", "tokens-settle_units",
-         "experts-settle_units", "experts-unit_signal_off"])
+         "experts-fanout", "experts-reply_preload", "tokens-paired_poll",
+         "experts-unit_signal_off"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -947,9 +916,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
-    AFDEP_PAIRED_POLL=1, the default forms; settle_units: AFDEP_SETTLE_UNITS=1 (experimental),
-    the default forms; unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default
-    forms."""
+    AFDEP_PAIRED_POLL=1, the default forms; unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by
+    default), the default forms."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -970,8 +938,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
-                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_SETTLE_UNITS=1": "kSmallSend",
-                "AFDEP_UNIT_SIGNAL=0": "kSmallSend"}
+                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

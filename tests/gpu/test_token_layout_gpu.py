@@ -725,19 +725,6 @@ def test_token_layout_unit_signal_graphs(layout, dtype_name, cap, small):
                      ffn_form="kSmallSend" if cap == 4 and small == "1" else None)
 
 
-@pytest.mark.parametrize("layout,dtype_name,cap,small", [
-    ("1A1F", "bfloat16", 4, "1"), ("2A2F", "float8_e4m3fn", 4, "1"), ("3A1F", "bfloat16", 4, "1"),
-    ("2A2F", "bfloat16", 4, "0")], ids=["1A1F", "2A2F", "3A1F", "2A2F-generic"])
-def test_token_layout_settle_units_graphs(layout, dtype_name, cap, small):
-    """test_token_layout_early_collect_graphs with AFDEP_SETTLE_UNITS=1 (experimental): the
-    units receive (kSmallRecv, or the generic kernel with AFDEP_SMALL_KERNELS=0) reloads each
-    token's stale entry units together once its header is seen. Every row exact."""
-    run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "1",
-                          "AFDEP_SMALL_KERNELS": small}, cap=cap, zero_copy=True,
-                     ffn_receive_form="kSmallRecv" if small == "1" else None)
-
-
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):

@@ -63,9 +63,7 @@ namespace afdep {
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */                          \
   X(UNIT_SIGNAL, 26)        /* the reply: a CTA that wrote only flagged row units adds its    \
-                               completion count without a system fence */                     \
-  X(SETTLE_UNITS, 27)       /* the units receive: a token's stale entry units are reloaded    \
-                               together in each poll, not spun on one after another */
+                               completion count without a system fence */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
