@@ -35,9 +35,10 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 // window, its start units (its receive is done; the bucket words of a mismatch) and every
 // token's row as units (the token layout's row as is, the expert layout's reduced row); the
 // Attention's collect reads them as they land, without waiting for the completion count and
-// its fence. The FFN still fences and signals completion afterwards: a collect in the count
-// form (another bucket, a larger T) waits for that, and the counts stay in step for the
-// exchanges that follow.
+// its fence. The FFN still signals completion afterwards, so that the counts stay in step for
+// the exchanges that follow. Behind the count a collect reads only the start units (a count
+// seen before them means the count form: another bucket) and the mismatch status, so the CTAs
+// that wrote those fence first; with F_UNIT_SIGNAL the others add unfenced.
 
 // The FFN's start units of FFN index f in a window: ffn bucket | 0, sender bucket | 0.
 __device__ __forceinline__ uint64_t* llc_start(const Layout& L, char* base, int f) {
@@ -714,7 +715,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
     // reads behind the count only the start units and mismatch status, whose CTAs still fence,
     // and where the count reaches its target those CTAs' fenced adds are in it
     const bool fenced = __syncthreads_or(plain) != 0;
-    trace_mark(L, kTrWritten, -1);  // the signalling fences come next
+    trace_mark(L, kTrWritten, -1);  // the signals (behind their fences where fenced) next
     if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver
       const int ntg = all_peers ? L.W : L.A;
