@@ -709,12 +709,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
         }
       }
     }
-    if (L.debug & kDbgThreadFence) fence_acq_rel_sys();  // (sys_fence_then_sync's)
     // F_UNIT_SIGNAL: a CTA that wrote only flagged row units adds its count without the
     // system fence. The collect takes those units by their flags, never behind this count; it
     // reads behind the count only the start units and mismatch status, whose CTAs still fence,
     // and where the count reaches its target those CTAs' fenced adds are in it
-    const bool fenced = __syncthreads_or(plain) != 0;
+    const bool fenced = sys_fence_then_sync_or(L, plain);
     trace_mark(L, kTrWritten, -1);  // the signals (behind their fences where fenced) next
     if (rwo) {
       // "this CTA's rows are written": every CTA adds 1 to its count at each receiver

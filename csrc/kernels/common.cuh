@@ -291,6 +291,12 @@ __device__ __forceinline__ void sys_fence_then_sync(const Layout& L) {
   __syncthreads();
 }
 
+// sys_fence_then_sync whose barrier also returns whether any thread's p was nonzero
+__device__ __forceinline__ bool sys_fence_then_sync_or(const Layout& L, int p) {
+  if (L.debug & kDbgThreadFence) fence_acq_rel_sys();
+  return __syncthreads_or(p) != 0;
+}
+
 // One thread signals a peer that the data its CTA wrote before (behind a bar.sync) is there:
 // a system fence, whose cumulativity covers the CTA's stores, then the flag. A release store
 // after the fence is a second system fence; F_ONE_FENCE stores the flag relaxed instead (the

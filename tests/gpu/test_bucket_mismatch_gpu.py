@@ -105,16 +105,15 @@ CASES = {
                               [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "paired_poll_ffn_counts": ({"AFDEP_PAIRED_POLL": "1"}, dict(receive_layout="tokens"),
                                [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    # AFDEP_UNIT_SIGNAL (the default; set here all the same): the reply's units CTAs unfenced; the FFN's start units
-    # (bucket 4) tell the mismatch, in either layout, behind the count of a collect that reads
-    # them there; and the FFN's count form (bucket 16) beside the Attention's units
-    "unit_signal": ({"AFDEP_UNIT_SIGNAL": "1"}, dict(receive_layout="tokens"), EXCHANGES),
-    "unit_signal_ffn_units": ({"AFDEP_UNIT_SIGNAL": "1"}, dict(receive_layout="tokens"),
-                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    "unit_signal_ffn_counts": ({"AFDEP_UNIT_SIGNAL": "1"}, dict(receive_layout="tokens"),
-                               [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "unit_signal_experts_ffn_units": ({"AFDEP_UNIT_SIGNAL": "1"}, {},
-                                      [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    # AFDEP_UNIT_SIGNAL=0 (on by default, as in early_collect_* below: the reply's units CTAs
+    # unfenced): every reply CTA fences again; the FFN's start units (bucket 4) tell the
+    # mismatch in either layout, and the FFN's count form (bucket 16) meets the Attention's units
+    "unit_signal_off_ffn_units": ({"AFDEP_UNIT_SIGNAL": "0"}, dict(receive_layout="tokens"),
+                                  [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "unit_signal_off_ffn_counts": ({"AFDEP_UNIT_SIGNAL": "0"}, dict(receive_layout="tokens"),
+                                   [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+    "unit_signal_off_experts_ffn_units": ({"AFDEP_UNIT_SIGNAL": "0"}, {},
+                                          [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
     "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
     # The flagged units on one side only, with the defaults (AFDEP_LL_SMALL and
     # AFDEP_EARLY_COLLECT on; set here all the same), in either layout: the FFN (bucket 16, 4 per

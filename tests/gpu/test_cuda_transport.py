@@ -969,7 +969,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \
             s["F reply (start -> last CTA signalled)"], s
         # the reply split at CTA 0's signal: its rows, its fence and count, the other CTAs
-        tail = [s["  F CTA0: start -> reduced rows written"], s["  F CTA0: rows written -> signalled"],
+        tail = [s["  F CTA0: start -> reduced rows written"],
+                s["  F CTA0: rows written -> signalled"],
                 s["  F reply: CTA0 signalled -> last CTA signalled"]]
         assert all(0 <= p for p in tail), tail
         assert abs(sum(tail) - s["F reply (start -> last CTA signalled)"]) < 0.5, (tail, s)
