@@ -63,6 +63,21 @@ def _gap(a, i: int, b, j: int) -> Optional[int]:
     return a[i] - b[j] if a[i] and b[j] else None
 
 
+def _units_first(df) -> bool:
+    """The FFN receive's thread 0 saw its first token's metadata units (LOADED) no later than
+    the offsets were ready: the expert layout's units receive, whose offsets follow from them
+    where one token arrived in all (AFDEP_LONE_EXPAND)."""
+    g = _gap(df, READY, df, LOADED)
+    return g is not None and g >= 0
+
+
+def _units_after(df) -> bool:
+    """... after the offsets: the token layout's units receive (it places the rows by formula
+    and waits for the metadata units behind the offsets)."""
+    g = _gap(df, LOADED, df, READY)
+    return g is not None and g > 0
+
+
 def _less(a: Optional[int], b: Optional[int]) -> Optional[int]:
     """a - b; None when either is."""
     return a - b if a is not None and b is not None else None
@@ -105,16 +120,23 @@ STAGES = [
     ("F counts seen -> offsets ready", lambda da, ca, df, cf: _gap(df, READY, df, WAITED), False),
     ("  F CTA0: counts seen -> count table loaded",
      lambda da, ca, df, cf: _gap(df, TABLE, df, WAITED), False),
+    # the expert layout's units receive, thread 0's first unit (at T = 1 the token's): its
+    # metadata units seen, then the offsets, which follow from them where one token arrived
+    # in all (AFDEP_LONE_EXPAND); absent where the units are seen after the offsets
+    ("  F CTA0: counts seen -> token units seen",
+     lambda da, ca, df, cf: _gap(df, LOADED, df, WAITED) if _units_first(df) else None, False),
+    ("  F CTA0: token units seen -> offsets ready",
+     lambda da, ca, df, cf: _gap(df, READY, df, LOADED) if _units_first(df) else None, False),
     ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: _gap(df, MAX_END, df, READY), False),
     # CTA 0's own end against the latest CTA's wait (every CTA of the receive waits for the
     # headers or counts; the placement is spread over the grid)
     ("  F CTA0: ready -> its end", lambda da, ca, df, cf: _gap(df, END, df, READY), False),
     # the token layout's units receive, thread 0's first row (at T = 1 the token's): its
     # metadata units seen (their wait), then that row's metadata written, its CTA's barrier
-    ("    F CTA0: ready -> token units seen", lambda da, ca, df, cf: _gap(df, LOADED, df, READY),
-     False),
-    ("    F CTA0: token units seen -> its end", lambda da, ca, df, cf: _gap(df, END, df, LOADED),
-     False),
+    ("    F CTA0: ready -> token units seen",
+     lambda da, ca, df, cf: _gap(df, LOADED, df, READY) if _units_after(df) else None, False),
+    ("    F CTA0: token units seen -> its end",
+     lambda da, ca, df, cf: _gap(df, END, df, LOADED) if _units_after(df) else None, False),
     ("  F receive: CTA0 counts seen -> last CTA counts seen",
      lambda da, ca, df, cf: _gap(df, MAX_WAITED, df, WAITED), False),
     ("  F receive: CTA0 start -> last CTA start",

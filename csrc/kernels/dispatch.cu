@@ -1303,6 +1303,9 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
     int tok, nloc, el, wi, pos;
     if (!load_token_units<kFan>(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    // traced only: thread 0's first unit (at T = 1 the token's), its metadata units seen; in
+    // the lone path before the offsets, which follow from them
+    if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
     const size_t item = (size_t)ai * a.bucket + s;
     int row;
     if (lone >= 0) {  // first-pass unit warps (CTA 0's; kFan: all) write the offsets, unit 0

@@ -964,6 +964,11 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         if layout == "experts" and r["tokens"] == 1:
             # one token in all: AFDEP_LONE_EXPAND (on by default) builds no count table
             assert table not in s and s["F counts seen -> offsets ready"] >= 0, s
+            # ... and its offsets follow the token's metadata units
+            ul = [s["  F CTA0: counts seen -> token units seen"],
+                  s["  F CTA0: token units seen -> offsets ready"]]
+            assert all(0 <= p for p in ul), ul
+            assert abs(sum(ul) - s["F counts seen -> offsets ready"]) < 0.5, (ul, s)
         elif layout == "experts":  # the token layout's receive has no count table
             assert 0 <= s[table] <= s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \

@@ -100,6 +100,19 @@ def test_stage_medians_from_stamps():
     s2 = trace.summarize(8, got, [30.0, 31.0, 29.0], replays=60)["stages_us"]
     assert "  F CTA0: counts seen -> count table loaded" not in s2
     assert {k: v for k, v in s.items() if k != "  F CTA0: counts seen -> count table loaded"} == s2
+    # units seen after the offsets (token layout): the expert layout's split is absent
+    assert "  F CTA0: counts seen -> token units seen" not in s
+    assert "  F CTA0: token units seen -> offsets ready" not in s
+    # the expert layout's lone receive: token units seen at 1008, before the offsets (1009);
+    # the split of "counts seen -> offsets ready" is there, the token layout's is not
+    ffn[(0, trace.LOADED)] = 1008
+    got[1] = ("ffn", _ring(last, ring, stamps(ffn)), (last, last))
+    s3 = trace.summarize(8, got, [30.0, 31.0, 29.0], replays=60)["stages_us"]
+    assert s3["  F CTA0: counts seen -> token units seen"] == 2
+    assert s3["  F CTA0: token units seen -> offsets ready"] == 1
+    assert s3["F counts seen -> offsets ready"] == 3
+    assert "    F CTA0: ready -> token units seen" not in s3
+    assert "    F CTA0: token units seen -> its end" not in s3
 
 
 def test_stream_stamps_map_each_replay_to_its_exchange():

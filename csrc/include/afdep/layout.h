@@ -155,7 +155,8 @@ enum TracePoint : int {
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector;
                    // FFN reply (expert layout), its item's first 8 rows' vectors (at small
                    // T its first item; at large T, generic path, its last); FFN receive
-                   // (flagged units, token layout), its first row's metadata units seen
+                   // (flagged units), its first row's (token layout) or unit's (expert
+                   // layout) metadata units seen
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
                    // FFN reply (expert layout): that item's receipt loaded
