@@ -127,6 +127,12 @@ STAGES = [
      lambda da, ca, df, cf: _gap(df, LOADED, df, WAITED) if _units_first(df) else None, False),
     ("  F CTA0: token units seen -> offsets ready",
      lambda da, ca, df, cf: _gap(df, READY, df, LOADED) if _units_first(df) else None, False),
+    # ... split where thread 0 knows its entry's row (AFDEP_LONE_EXPAND's lone_row: duplicates
+    # matched, the distinct ids below its own counted), then CTA 0's offsets and receipt
+    ("    F CTA0: token units seen -> row known",
+     lambda da, ca, df, cf: _gap(df, MASKED, df, LOADED) if _units_first(df) else None, False),
+    ("    F CTA0: row known -> offsets ready",
+     lambda da, ca, df, cf: _gap(df, READY, df, MASKED) if _units_first(df) else None, False),
     ("F expansion (ready -> last CTA end)", lambda da, ca, df, cf: _gap(df, MAX_END, df, READY), False),
     # CTA 0's own end against the latest CTA's wait (every CTA of the receive waits for the
     # headers or counts; the placement is spread over the grid)

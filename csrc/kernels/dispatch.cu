@@ -1139,6 +1139,9 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
   int below = 0;
   for (int b = 0; b < L.R; ++b) below += __shfl_sync(kFull, fid, b) < el ? 1 : 0;
   const int row = valid && below < rows_cap ? below : -1;  // this lane's entry's row
+  // traced only: a branch on thread 0's row waits for it (taken unless the row is -3), so the
+  // stamp splits the lone path into the rows' computation and the offsets' book-keeping
+  if (L.trace != nullptr && books && threadIdx.x == 0 && row != -3) trace_mark(L, kTrMasked, -1);
   if (books) {
     for (int e0 = warp * 32; e0 <= L.El; e0 += nbook * 32) {  // rows of the experts below e
       const int e = e0 + lane;

@@ -969,6 +969,10 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
                   s["  F CTA0: token units seen -> offsets ready"]]
             assert all(0 <= p for p in ul), ul
             assert abs(sum(ul) - s["F counts seen -> offsets ready"]) < 0.5, (ul, s)
+            rk = [s["    F CTA0: token units seen -> row known"],
+                  s["    F CTA0: row known -> offsets ready"]]
+            assert all(0 <= p for p in rk), rk
+            assert abs(sum(rk) - ul[1]) < 0.5, (rk, s)
         elif layout == "experts":  # the token layout's receive has no count table
             assert 0 <= s[table] <= s["F counts seen -> offsets ready"], s
         assert 0 <= s["  F CTA0: start -> reduced rows written"] <= \

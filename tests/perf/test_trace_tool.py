@@ -106,10 +106,14 @@ def test_stage_medians_from_stamps():
     # the expert layout's lone receive: token units seen at 1008, before the offsets (1009);
     # the split of "counts seen -> offsets ready" is there, the token layout's is not
     ffn[(0, trace.LOADED)] = 1008
+    ffn[(0, trace.MASKED)] = 1008.25
     got[1] = ("ffn", _ring(last, ring, stamps(ffn)), (last, last))
     s3 = trace.summarize(8, got, [30.0, 31.0, 29.0], replays=60)["stages_us"]
     assert s3["  F CTA0: counts seen -> token units seen"] == 2
     assert s3["  F CTA0: token units seen -> offsets ready"] == 1
+    assert s3["    F CTA0: token units seen -> row known"] == 0.25
+    assert s3["    F CTA0: row known -> offsets ready"] == 0.75
+    assert "    F CTA0: token units seen -> row known" not in s  # no row stamp there
     assert s3["F counts seen -> offsets ready"] == 3
     assert "    F CTA0: ready -> token units seen" not in s3
     assert "    F CTA0: token units seen -> its end" not in s3

@@ -159,7 +159,8 @@ enum TracePoint : int {
                    // layout) metadata units seen
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
-                   // FFN reply (expert layout): that item's receipt loaded
+                   // FFN reply (expert layout): that item's receipt loaded; FFN receive
+                   // (expert layout, one token in all): thread 0's row known (lone_row)
   kTrMaxStart = 14,  // latest CTA's kTrStart: against CTA 0's, how far apart the CTAs began
 };
 
