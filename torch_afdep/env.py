@@ -199,19 +199,6 @@ _CONTROLS = (
              "ascending order (its experts in order), so a sum of three or more rows may round "
              "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded "
              "once the receipt names them and added in entry order"),
-    _control("AFDEP_PAIRED_POLL", 24, 0,
-             "experimental, off by default (one H100, 0d14212: its GPU tests pass; token layout "
-             "1A1F H4096 3-4% slower at T = 1, 7): the FFN's receive of flagged units (either "
-             "layout) polls each region's "
-             "count-block flag together with its header units, and the collect of flagged "
-             "reply units each FFN rank's completion count together with its start units, so a "
-             "poll takes one load latency instead of two in turn (each wait a loop of its own "
-             "for each setting, so the default forms carry both); a region that lands is seen "
-             "about half a poll sooner, and the barrier behind all of them (the slowest) about "
-             "a whole poll sooner; in the fan-out receive (AFDEP_FANOUT_EXPAND's kUnitExpFan) "
-             "also the wait for a token's metadata units: every stale unit reloaded in each "
-             "poll, not one unit spun on after another; the same waits and outputs; 0 = the "
-             "units first, the flag or count only after them, each metadata unit in turn"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "
@@ -387,6 +374,7 @@ RETIRED: Dict[str, str] = {
     "AFDEP_EARLY_EXPAND": "removed in session 36: 7.6-9% slower at T <= 24",
     "AFDEP_SPEC_REPLY": "removed in session 36: 0.2-2% slower at T <= 4",
     "AFDEP_LONE_SPLIT": "removed in session 36: within 1% of off",
+    "AFDEP_PAIRED_POLL": "removed in session 42: slower at T = 1 and 7 (+2.7%, +3.6%)",
 }
 
 

@@ -289,12 +289,9 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 // s_llc[kMaxFfn + f] and s_llc[2 * kMaxFfn + f] the start units' words. The count is polled
 // relaxed and, once reached, read again with acquire, then the start units once more: they
 // may have landed behind it (the FFN fences them before its count). Returns the form, or -1 at
-// the deadline (reported). kPaired (F_PAIRED_POLL, wait_reply_ll): the count loads with the
-// start units, one load latency a poll instead of two in turn (a loop of its own, as
-// dispatch.cu's wait_region_ll_).
-template <bool kPaired>
-__device__ int wait_reply_ll_(const Layout& L, int f, uint64_t target, uint32_t llf,
-                              uint64_t deadline, int* s_llc) {
+// the deadline (reported).
+__device__ int wait_reply_ll(const Layout& L, int f, uint64_t target, uint32_t llf,
+                             uint64_t deadline, int* s_llc) {
   char* mine = own_window(L);
   const int sr = L.rank_of_ffn[f];
   const uint64_t* u = llc_start(L, mine, f);
@@ -303,12 +300,10 @@ __device__ int wait_reply_ll_(const Layout& L, int f, uint64_t target, uint32_t 
   int form = -1;
   uint64_t v0 = 0, v1 = 0;
   while (form < 0) {
-    uint64_t dv = 0;
     ld_ll2(u, v0, v1);
-    if (kPaired) dv = ld_ll(done);
     if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
       form = 1;
-    } else if ((kPaired ? dv : ld_ll(done)) >= target && ld_acquire_sys(done) >= target) {
+    } else if (ld_ll(done) >= target && ld_acquire_sys(done) >= target) {
       ld_ll2(u, v0, v1);  // after the acquire: the start units, if sent, are visible
       form = ll_fresh(v0, llf) && ll_fresh(v1, llf) ? 1 : 0;
     } else if (ll_give_up(spins, deadline, L.err, kPhaseCombine, sr, L.rank)) {
@@ -319,12 +314,6 @@ __device__ int wait_reply_ll_(const Layout& L, int f, uint64_t target, uint32_t 
   s_llc[kMaxFfn + f] = form ? (int)(uint32_t)v0 : 0;
   s_llc[2 * kMaxFfn + f] = form ? (int)(uint32_t)v1 : 0;
   return form;
-}
-
-__device__ __forceinline__ int wait_reply_ll(const Layout& L, int f, uint64_t target,
-                                             uint32_t llf, uint64_t deadline, int* s_llc) {
-  return (L.flags & F_PAIRED_POLL) ? wait_reply_ll_<true>(L, f, target, llf, deadline, s_llc)
-                                   : wait_reply_ll_<false>(L, f, target, llf, deadline, s_llc);
 }
 
 // collect_chunk with F_LL_SMALL: the rows of FFN ranks in umask from their units (each vector

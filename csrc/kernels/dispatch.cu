@@ -714,22 +714,15 @@ __device__ void expand(const Layout& L, const DispatchArgs& a, uint64_t n, uint6
 }
 
 // F_LL_SMALL receiver, region g = (Attention index, channel): spin on both forms, its two
-// header units (count; ahead | bucket, one 16-byte load) and its count block's flag (polled
-// relaxed, read once more with acquire when it has arrived, so that no poll pays the acquire's
-// L1 invalidation; the caller fences once after the wait when any region came as a count
-// block).
+// header units (count; ahead | bucket, one 16-byte load) and, while they are stale, its count
+// block's flag (polled relaxed, read once more with acquire when it has arrived, so that no
+// poll pays the acquire's L1 invalidation; the caller fences once after the wait when any
+// region came as a count block).
 // Units: s_form[g] = 1, the count in s_form[nreg + g], the ahead | bucket word in
 // s_form[2 * nreg + g]. Count block: s_form[g] = 0. Returns the form, or -1 at the deadline
 // (reported).
-// kPaired (F_PAIRED_POLL, wait_region_ll): each poll loads the flag together with the units,
-// so a poll takes one load latency instead of two in turn (the header units, then the flag
-// behind their test): a region that lands is seen about half a poll sooner, and the barrier
-// behind every region's wait (which waits for the slowest of them) about a whole poll sooner.
-// A loop of its own: with the choice inside the loop, ptxas put the units' test (waiting for
-// their load) in front of the branch to the flag's load in most forms.
-template <bool kPaired>
-__device__ int wait_region_ll_(const Layout& L, char* mine, int g, uint64_t n,
-                               uint64_t deadline, int* s_form) {
+__device__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n, uint64_t deadline,
+                               int* s_form) {
   const int nreg = L.A * L.S, ai = fast_div(g, L.div_S), ch = g - ai * L.S;
   const int sr = L.rank_of_attn[ai];
   const uint32_t llf = ll_flag(n);
@@ -737,28 +730,20 @@ __device__ int wait_region_ll_(const Layout& L, char* mine, int g, uint64_t n,
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(cnt_block(L, mine, sr, ch));
   uint32_t spins = 0;
   while (true) {
-    uint64_t v0, v1, fv = 0;
+    uint64_t v0, v1;
     ld_ll2(u, v0, v1);
-    if (kPaired) fv = ld_ll(flag);
     if (ll_fresh(v0, llf) && ll_fresh(v1, llf)) {
       s_form[g] = 1;
       s_form[nreg + g] = (int)(uint32_t)v0;
       s_form[2 * nreg + g] = (int)(uint32_t)v1;
       return 1;
     }
-    if (!kPaired) fv = ld_ll(flag);
-    if (fv >= n && ld_acquire_sys(flag) >= n) {  // acquired as wait_geq does
+    if (ld_ll(flag) >= n && ld_acquire_sys(flag) >= n) {  // acquired as wait_geq does
       s_form[g] = 0;
       return 0;
     }
     if (ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank)) return -1;
   }
-}
-
-__device__ __forceinline__ int wait_region_ll(const Layout& L, char* mine, int g, uint64_t n,
-                                              uint64_t deadline, int* s_form) {
-  return (L.flags & F_PAIRED_POLL) ? wait_region_ll_<true>(L, mine, g, n, deadline, s_form)
-                                   : wait_region_ll_<false>(L, mine, g, n, deadline, s_form);
 }
 
 // F_LL_SMALL: the rows (and scales) of the regions that came as flagged units, from their
@@ -880,59 +865,13 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
-// F_PAIRED_POLL's wait in load_token_units<true> (kUnitExpFan's), one warp, from the units'
-// first loads (uh: lanes 0-1, ue / uw / uc: lanes < R): while any is stale, each poll reloads
-// every stale unit at once (the header's and every entry's), one load latency a poll, and warp
-// votes decide, so every lane leaves together.
-struct TokenUnits {
-  int tok, nloc, el, wi, col, ok;
-};
-__device__ __forceinline__ TokenUnits paired_token_units(const uint64_t* u, uint32_t llf,
-                                                         uint64_t deadline, ErrorBlock* err,
-                                                         int sr, int rank, int R, uint64_t uh,
-                                                         uint64_t ue, uint64_t uw, uint64_t uc) {
-  const int lane = threadIdx.x & 31;
-  uint32_t spins = 0;
-  while (true) {
-    // the header first: its entry count says which entries to wait for
-    const unsigned hstale = __ballot_sync(kFull, lane < 2 && !ll_fresh(uh, llf));
-    const int cnt = __shfl_sync(kFull, (int)(uint32_t)uh, 1);
-    const int nl = hstale ? R : min(max(cnt, 0), R);
-    const bool fresh =
-        lane >= nl || (ll_fresh(ue, llf) && ll_fresh(uw, llf) && ll_fresh(uc, llf));
-    const unsigned estale = __ballot_sync(kFull, !fresh);
-    if (hstale == 0 && estale == 0) break;
-    int out = 0;
-    if (lane == 0) out = ll_give_up(spins, deadline, err, kPhaseDispatch, sr, rank);
-    if (__shfl_sync(kFull, out, 0)) return TokenUnits{0, 0, -1, 0, -1, 0};
-    if (lane < 2 && !ll_fresh(uh, llf)) uh = ld_ll(u + lane);
-    if (lane < R) {
-      if (!ll_fresh(ue, llf)) ue = ld_ll(u + 2 + lane);
-      if (!ll_fresh(uw, llf)) uw = ld_ll(u + 2 + R + lane);
-      if (!ll_fresh(uc, llf)) uc = ld_ll(u + 2 + 2 * R + lane);
-    }
-  }
-  TokenUnits t;
-  t.nloc = min(max(__shfl_sync(kFull, (int)(uint32_t)uh, 1), 0), R);
-  t.tok = __shfl_sync(kFull, (int)(uint32_t)uh, 0);
-  const bool has = lane < t.nloc;
-  t.el = has ? (int)(uint32_t)ue : -1;
-  t.wi = has ? (int)(uint32_t)uw : 0;
-  t.col = has ? (int)(uint32_t)uc : -1;
-  t.ok = 1;
-  return t;
-}
-
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
 // every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
 // -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
 // at the deadline (reported), in every lane.
 // Each unit is spun on in turn (the header, then each lane's id, weight and column), so a unit
 // that landed while an earlier one was spun on costs a load latency all the same (its first
-// load was stale). kPaired (kUnitExpFan) with F_PAIRED_POLL: paired_token_units instead (in
-// that experimental form only, so that no default form carries its code: in kUnitExpRecv it
-// took 92 registers to 105)
-template <bool kPaired = false>
+// load was stale).
 __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, int& tok, int& nloc,
                                                  int& el, int& wi, int& col) {
@@ -943,16 +882,6 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
     ue = ld_ll(u + 2 + lane);
     uw = ld_ll(u + 2 + L.R + lane);
     uc = ld_ll(u + 2 + 2 * L.R + lane);
-  }
-  if (kPaired && (L.flags & F_PAIRED_POLL)) {
-    const TokenUnits t =
-        paired_token_units(u, llf, deadline, L.err, sr, L.rank, L.R, uh, ue, uw, uc);
-    tok = t.tok;
-    nloc = t.nloc;
-    el = t.el;
-    wi = t.wi;
-    col = t.col;
-    return t.ok != 0;
   }
   bool ok = true;
   constexpr int ph = kPhaseDispatch;
@@ -1261,8 +1190,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       if (!s_form[g] || j >= s_cnt[g]) continue;
       const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
       int tok, nloc, el, wi, pos;
-      ok = load_token_units<kFan>(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf,
-                                  deadline, L.rank_of_attn[ai], tok, nloc, el, wi, pos);
+      ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
+                            L.rank_of_attn[ai], tok, nloc, el, wi, pos);
       if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
         atomicMax(&s_tab[g * El + el], pos + 1);
     }
@@ -1305,7 +1234,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (!load_token_units<kFan>(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     // traced only: thread 0's first unit (at T = 1 the token's), its metadata units seen; in
     // the lone path before the offsets, which follow from them
     if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);

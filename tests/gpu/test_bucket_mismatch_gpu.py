@@ -96,15 +96,6 @@ CASES = {
     # AFDEP_REPLY_PRELOAD (experimental): the FFN's reply at bucket 1 in kUnitReplyPre, beside
     # an Attention rank at bucket 4 (a mismatch: its slot holds no token)
     "reply_preload": ({"AFDEP_REPLY_PRELOAD": "1"}, {}, [(1, 1, 1), (1, 4, 1), (1, 1, 1)]),
-    # AFDEP_PAIRED_POLL (experimental): the units receive finding a count block (bucket 16) by
-    # its flag polled with the header units, in either layout; the collect finding the count
-    # form's completion count polled with the start units
-    "paired_poll_ll_experts_ffn_units": ({"AFDEP_PAIRED_POLL": "1"}, dict(num_sms=8),
-                                         [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    "paired_poll_ffn_units": ({"AFDEP_PAIRED_POLL": "1"}, dict(receive_layout="tokens"),
-                              [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    "paired_poll_ffn_counts": ({"AFDEP_PAIRED_POLL": "1"}, dict(receive_layout="tokens"),
-                               [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
     # AFDEP_UNIT_SIGNAL=0 (on by default, as in early_collect_* below: the reply's units CTAs
     # unfenced): every reply CTA fences again; the FFN's start units (bucket 4) tell the
     # mismatch in either layout, and the FFN's count form (bucket 16) meets the Attention's units

@@ -499,7 +499,6 @@ def test_lone_expand_graph_replays(dtype, bucket, value):
 # count table's
 FANOUT = {"AFDEP_FANOUT_EXPAND": "1"}
 FANOUT_BIT = controls.CONTROLS["AFDEP_FANOUT_EXPAND"].bit
-PAIRED = {"AFDEP_PAIRED_POLL": "1"}  # (its own tests below)
 
 
 @pytest.mark.parametrize("lone", ["1", "0"], ids=["lone", "lone_off"])
@@ -555,34 +554,15 @@ def test_fanout_expand_graph_replays(dtype, bucket, tokens):
                        forms=(("kUnitExpFan", None), ("kSmallSend", None)))
 
 
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                          ("1A3F", "bfloat16")])
-def test_fanout_paired_poll_eager(layout, dtype):
-    """AFDEP_FANOUT_EXPAND=1 with AFDEP_PAIRED_POLL=1, whose fan-out receive also waits for a
-    token's metadata units by reloading every stale one in each poll (paired_token_units):
-    every exchange of lone_plan and llx_plan exact on every rank, the units receives in
-    kUnitExpFan."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
-              env={**FANOUT, **PAIRED, **LLX}, seed=83)
-    for r, st in enumerate(res):
-        assert st["flags"] & FANOUT_BIT, (r, hex(st["flags"]))
-        assert st["flags"] & controls.CONTROLS["AFDEP_PAIRED_POLL"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert st["forms"][0] == {"kUnitExpFan", "kCountRecvLL"}, (r, st["forms"])
-
-
-@pytest.mark.parametrize("paired", ["0", "1"], ids=["fanout", "fanout_paired"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_fanout_expand_sanitizer_small(dtype, paired):
-    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1, AFDEP_PAIRED_POLL at 0 and 1 (run under
-    compute-sanitizer by scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all:
-    the lone path; 7 and 24: the table's), the count form at 64 and 48."""
+def test_fanout_expand_sanitizer_small(dtype):
+    """Small 1A1F exchanges with AFDEP_FANOUT_EXPAND=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8 (one token in all: the lone path; 7 and
+    24: the table's), the count form at 64 and 48."""
     kw = cfg_kw("1A1F", 64, 1024, dtype)
     run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
                      (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random"),
-                     (1, [1], "partial")], env={**FANOUT, "AFDEP_PAIRED_POLL": paired},
-        seed=29)
+                     (1, [1], "partial")], env=FANOUT, seed=29)
 
 
 # AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
@@ -652,35 +632,6 @@ def test_reply_preload_sanitizer_small():
     kw = cfg_kw("1A1F", 8, 7168)
     run("1A1F", kw, [(1, [1], "random"), (1, [1], "partial"), (1, [0], "random"),
                      (8, [5], "random"), (1, [1], "skewed")], env=PRELOAD, seed=31)
-
-
-# AFDEP_PAIRED_POLL (experimental, off by default; PAIRED above): the units receive's and the
-# collect's waits load a region's count flag (a reply's completion count) with its header
-# (start) units
-
-
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                          ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
-def test_paired_poll_eager(layout, dtype):
-    """AFDEP_PAIRED_POLL=1: every exchange of lone_plan and llx_plan exact on every rank (the
-    expert layout's units receive and count form, the units reply and its collect; the
-    token layout's run in test_token_layout_controls and _paired_poll_graphs)."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
-              env={**PAIRED, **LLX}, seed=79)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_PAIRED_POLL"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert st["forms"][0] == {"kUnitExpRecv", "kCountRecvLL"}, (r, st["forms"])
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("float8_e4m3fn", 24, 7)],
-                         ids=["bf16-B1-T1", "fp8-B24-T7"])
-def test_paired_poll_graph_replays(dtype, bucket, tokens):
-    """AFDEP_PAIRED_POLL=1, 100 checked graph replays of a 1A1F exchange in the expert
-    layout's units (the receive's and the collect's paired polls)."""
-    graph_replays_1a1f(dtype, bucket, tokens, PAIRED, 9990,
-                       forms=(("kUnitExpRecv", None), ("kSmallSend", "kSmallRecv")))
 
 
 # AFDEP_UNIT_SIGNAL (on by default; set here all the same): a reply CTA that wrote only flagged
@@ -901,11 +852,9 @@ def test_sanitizer_small():
 @pytest.mark.parametrize("layout,afdep_env", [
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
-    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("tokens", ["AFDEP_PAIRED_POLL=1"]),
-    ("experts", ["AFDEP_UNIT_SIGNAL=0"])],
+    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("experts", ["AFDEP_UNIT_SIGNAL=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload", "tokens-paired_poll",
-         "experts-unit_signal_off"])
+         "experts-fanout", "experts-reply_preload", "experts-unit_signal_off"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -915,9 +864,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     CTA 0's. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
-    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; paired_poll:
-    AFDEP_PAIRED_POLL=1, the default forms; unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by
-    default), the default forms."""
+    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; unit_signal_off:
+    AFDEP_UNIT_SIGNAL=0 (on by default), the default forms."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -938,7 +886,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
-                "AFDEP_PAIRED_POLL=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend"}
+                "AFDEP_UNIT_SIGNAL=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -693,21 +693,6 @@ def test_token_layout_spread_chunks_graphs(layout, dtype_name, cap, value):
                      ffn_receive_form="kSmallRecv" if cap == 4 else None)
 
 
-@pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
-                                                   ("2A2F", "float8_e4m3fn", 4),
-                                                   ("3A1F", "bfloat16", CAP)],
-                         ids=["1A1F", "2A2F", "3A1F-count-form"])
-def test_token_layout_paired_poll_graphs(layout, dtype_name, cap):
-    """test_token_layout_early_collect_graphs with AFDEP_PAIRED_POLL=1 (experimental): the
-    units receive polls each region's count flag with its header units, the collect each FFN
-    rank's completion count with its start units (kEarlyCollect's warp 0, kSmallRecv); at
-    bucket CAP the FFN replies in the count form, which the collect's polls then find by the
-    count."""
-    run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_PAIRED_POLL": "1"}, cap=cap,
-                     zero_copy=True, attention_form="kEarlyCollect")
-
-
 @pytest.mark.parametrize("layout,dtype_name,cap,small", [
     ("1A1F", "bfloat16", 4, "1"), ("2A2F", "float8_e4m3fn", 4, "1"), ("1A3F", "bfloat16", 4, "1"),
     ("3A1F", "bfloat16", CAP, "1"), ("2A2F", "bfloat16", 4, "0")],

@@ -56,9 +56,6 @@ namespace afdep {
   X(REPLY_PRELOAD, 23)      /* the expert layout's units reply at bucket 1: each warp loads   \
                                its chunk of the first rows with the receipt (kUnitReplyPre,   \
                                experimental) */                                               \
-  X(PAIRED_POLL, 24)        /* the units receive's and collect's waits load a region's flag   \
-                               (a reply's count) with its header units: one load latency a    \
-                               poll, not two in turn (experimental) */                        \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */                          \
