@@ -65,6 +65,21 @@ __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region,
   return region + 2 + (size_t)j * L.ll_token_units;
 }
 
+// F_SHUFFLE_MATCH: whether a lane below this one holds the same key, among lanes [0, n) (keys
+// of lanes past n never repeat a key: distinct negatives). One warp, every lane takes part.
+// n shuffles in place of MATCH.ANY, whose latency both T = 1 stages it sits in (the sender's
+// route mask, the lone receive's rows) suggest is several hundred cycles
+__device__ __forceinline__ bool repeats_below(int key, int n) {
+  const int lane = threadIdx.x & 31;
+  bool rep = false;
+#pragma unroll 4
+  for (int b = 0; b < n; ++b) {
+    const int v = __shfl_sync(kFull, key, b);
+    rep = rep || (b < lane && v == key);
+  }
+  return rep;
+}
+
 // One warp: bit f set for each FFN index f that some lane's valid id lives on (f: that id's
 // FFN index), the same mask in every lane.
 __device__ __forceinline__ uint64_t ffn_bits(bool valid, int f) {
@@ -105,8 +120,14 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   // a valid id is in [0, E), so 32 bits hold it: no 64-bit match, and no 64-bit division (a
   // 70-instruction subroutine, which sat in front of every claim)
   const int e32 = valid ? (int)e : -2 - lane;  // invalid lanes: distinct negative values
-  const unsigned same = __match_any_sync(kFull, e32);
-  valid = valid && (same & lanemask_lt()) == 0;
+  bool rep;
+  if (L.flags & F_SHUFFLE_MATCH) {
+    rep = repeats_below(e32, L.k);
+  } else {
+    const unsigned same = __match_any_sync(kFull, e32);
+    rep = (same & lanemask_lt()) != 0;
+  }
+  valid = valid && !rep;
   const int f = valid ? fast_div(e32, L.div_El) : -1;
   uint64_t mask = ffn_bits(valid, f);
   // traced only: a branch on the mask waits for it (taken unless every one of 64 FFN ranks is
@@ -1062,11 +1083,27 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
   const int rows_cap = L.A * a.bucket * L.R;
   const bool valid = lane < nloc && el >= 0 && el < L.El && pos == 0;
   // every lane matches (distinct negative keys where invalid): see load_raw_units
-  const unsigned same = __match_any_sync(kFull, valid ? el : -2 - lane);
-  const bool first = valid && (same & lanemask_lt()) == 0;
+  const int key = valid ? el : -2 - lane;
+  bool first;
+  int below = 0;  // the distinct valid ids below this lane's
+  if (L.flags & F_SHUFFLE_MATCH) {  // one pass of shuffles: repeats and smaller ids together
+    bool rep = false;
+    unsigned smaller = 0;
+    for (int b = 0; b < L.R; ++b) {  // lanes past R hold no valid entry (nloc <= R)
+      const int v = __shfl_sync(kFull, key, b);
+      rep = rep || (b < lane && v == key);
+      smaller |= (v >= 0 && v < el ? 1u : 0u) << b;  // valid keys are the ids (>= 0)
+    }
+    first = valid && !rep;
+    const unsigned firsts = __ballot_sync(kFull, first);
+    below = __popc(smaller & firsts);
+  } else {
+    const unsigned same = __match_any_sync(kFull, key);
+    first = valid && (same & lanemask_lt()) == 0;
+  }
   const int fid = first ? el : 0x7fffffff;  // the distinct valid ids, in their first lanes
-  int below = 0;
-  for (int b = 0; b < L.R; ++b) below += __shfl_sync(kFull, fid, b) < el ? 1 : 0;
+  if (!(L.flags & F_SHUFFLE_MATCH))
+    for (int b = 0; b < L.R; ++b) below += __shfl_sync(kFull, fid, b) < el ? 1 : 0;
   const int row = valid && below < rows_cap ? below : -1;  // this lane's entry's row
   // traced only: a branch on thread 0's row waits for it (taken unless the row is -3), so the
   // stamp splits the lone path into the rows' computation and the offsets' book-keeping

@@ -60,7 +60,10 @@ namespace afdep {
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */                          \
   X(UNIT_SIGNAL, 26)        /* the reply: a CTA that wrote only flagged row units adds its    \
-                               completion count without a system fence */
+                               completion count without a system fence */                     \
+  X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
+                               sender's claim and the expert layout's lone receive            \
+                               (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
