@@ -85,14 +85,18 @@ def parse_resources(text: str) -> Dict[str, Dict[str, int]]:
 def short_name(mangled: str) -> str:
     """The kernel's own name inside the mangled one (dispatch_kernel, combine_kernel, ...),
     with its integer template argument where it has one (dispatch_kernel<1>: KernelForm) and
-    its bool one where it has that too (combine_kernel<1, true>: AFDEP_SPREAD_CHUNKS')."""
-    found = re.findall(r"\d+([a-z_]+_kernel)(?:ILi(\d+)E(?:Lb([01])E)?E)?E", mangled)
+    its bool ones up to the last true one (combine_kernel<1, true>: AFDEP_SPREAD_CHUNKS';
+    dispatch_kernel<1, false, true>: AFDEP_SHUFFLE_MATCH's)."""
+    found = re.findall(r"\d+([a-z_]+_kernel)(?:ILi(\d+)E((?:Lb[01]E)*)E)?E", mangled)
     if not found:
         return mangled
-    name, form, flag = found[-1]
+    name, form, flags = found[-1]
     if not form:
         return name
-    return f"{name}<{form}, true>" if flag == "1" else f"{name}<{form}>"
+    bools = ["true" if b == "1" else "false" for b in re.findall(r"Lb([01])E", flags)]
+    while bools and bools[-1] == "false":
+        bools.pop()
+    return f"{name}<{', '.join([form] + bools)}>"
 
 
 def form_names(header: Optional[str] = None) -> Dict[int, str]:
@@ -180,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     forms = form_names()
     for name, insns in kernels.items():
         short = short_name(name)
-        form = re.search(r"<(\d+)(?:, true)?>$", short)
+        form = re.search(r"<(\d+)(?:, (?:true|false))*>$", short)
         if form and int(form.group(1)) in forms:  # the form's name (KernelForm, afdep/forms.h)
             short = f"{short} {forms[int(form.group(1))]}"
         if args.kernel and args.kernel not in short:

@@ -221,10 +221,11 @@ _CONTROLS = (
              "(token layout) and 0.8 us (expert layout) sooner, the round trip unchanged; the "
              "same outputs; 0 = every CTA fences before its count"),
     _control("AFDEP_SHUFFLE_MATCH", 27, 0,
-             "experimental, off by default (not yet measured): a token's repeated expert ids "
-             "are found by one shuffle per entry instead of MATCH.ANY, in the sender's claim "
-             "(both layouts) and in the expert layout's receive of one token in all "
-             "(AFDEP_LONE_EXPAND), whose rows then come from the same pass of shuffles; at "
+             "experimental, off by default (not yet run on a GPU): a token's repeated expert "
+             "ids are found by one shuffle per entry instead of MATCH.ANY, in the small forms' "
+             "claim (kSmallSend, both layouts) and in the expert layout's receive of one token "
+             "in all (kUnitExpRecv, kUnitExpFan; AFDEP_LONE_EXPAND), whose rows then come from "
+             "the same pass of shuffles, each in instantiations of its own; at "
              "T = 1 the two stages holding MATCH.ANY (the claim's route mask, the lone "
              "receive's rows) take 0.5-0.6 us each for a few dozen instructions; the same "
              "outputs"),

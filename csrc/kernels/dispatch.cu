@@ -99,7 +99,8 @@ __device__ __forceinline__ uint64_t ffn_bits(bool valid, int f) {
 // kLone (F_LONE_TOKEN, units only): the CTA's only token: slot 0 in every region and position
 // 0 in every expert, no shared-memory arrays (s_cnt, s_ecnt, s_slot unused), and the FFN
 // windows from ffn_window (fb unused: no barrier behind the shared table's writes)
-template <bool kLone = false>
+// kShuffle (F_SHUFFLE_MATCH's instantiations): repeated ids by shuffles (repeats_below)
+template <bool kLone = false, bool kShuffle = false>
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
                             int c, bool pre, long long e_pre, float w_pre, uint32_t llf) {
@@ -120,14 +121,13 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
   // a valid id is in [0, E), so 32 bits hold it: no 64-bit match, and no 64-bit division (a
   // 70-instruction subroutine, which sat in front of every claim)
   const int e32 = valid ? (int)e : -2 - lane;  // invalid lanes: distinct negative values
-  bool rep;
-  if (L.flags & F_SHUFFLE_MATCH) {
-    rep = repeats_below(e32, L.k);
+  if (kShuffle) {
+    const bool rep = repeats_below(e32, L.k);
+    valid = valid && !rep;
   } else {
     const unsigned same = __match_any_sync(kFull, e32);
-    rep = (same & lanemask_lt()) != 0;
+    valid = valid && (same & lanemask_lt()) == 0;
   }
-  valid = valid && !rep;
   const int f = valid ? fast_div(e32, L.div_El) : -1;
   uint64_t mask = ffn_bits(valid, f);
   // traced only: a branch on the mask waits for it (taken unless every one of 64 FFN ranks is
@@ -1075,7 +1075,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
 // one warp a slice on any CTA) the warp also writes the expert offsets of its slice (experts
 // 32 * slice + 32 * nbook * i + lane) and, slice 0, the token's receipt (item: its source's
 // slot 0) and every source's token count (1 for source ai).
-template <bool kFan = false>
+template <bool kFan = false, bool kShuffle = false>
 __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, int r, int nloc,
                                         int el, int pos, int wi, int tok, int ai, int sr,
                                         size_t item, bool books, int nbook, int slice = 0) {
@@ -1086,7 +1086,7 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
   const int key = valid ? el : -2 - lane;
   bool first;
   int below = 0;  // the distinct valid ids below this lane's
-  if (L.flags & F_SHUFFLE_MATCH) {  // one pass of shuffles: repeats and smaller ids together
+  if (kShuffle) {  // one pass of shuffles: repeats and smaller ids together
     bool rep = false;
     unsigned smaller = 0;
     for (int b = 0; b < L.R; ++b) {  // lanes past R hold no valid entry (nloc <= R)
@@ -1102,7 +1102,7 @@ __device__ __forceinline__ int lone_row(const Layout& L, const DispatchArgs& a, 
     first = valid && (same & lanemask_lt()) == 0;
   }
   const int fid = first ? el : 0x7fffffff;  // the distinct valid ids, in their first lanes
-  if (!(L.flags & F_SHUFFLE_MATCH))
+  if (!kShuffle)
     for (int b = 0; b < L.R; ++b) below += __shfl_sync(kFull, fid, b) < el ? 1 : 0;
   const int row = valid && below < rows_cap ? below : -1;  // this lane's entry's row
   // traced only: a branch on thread 0's row waits for it (taken unless the row is -3), so the
@@ -1187,7 +1187,7 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
 // r's row; the warp loads its chunk's units once and stores each vector into every row of the
 // token (kUnitExpRecv's warps of a token's R entries each loaded the chunk and the token's
 // metadata units again), and the chunks go one warp to a CTA (grid_warp's spread mapping)
-template <bool kFan = false>
+template <bool kFan = false, bool kShuffle = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1279,7 +1279,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     int row;
     if (lone >= 0) {  // first-pass unit warps (CTA 0's; kFan: all) write the offsets, unit 0
                       // the receipt
-      row = lone_row<kFan>(L, a, r, nloc, el, pos, wi, tok, ai, sr, item,
+      row = lone_row<kFan, kShuffle>(L, a, r, nloc, el, pos, wi, tok, ai, sr, item,
                            (kFan || c == 0) && u == gw, nbook, gw);  // (first pass)
     } else {
       if (!kFan) {  // entry r: lane r's (kFan: r is this lane)
@@ -1366,7 +1366,7 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
-template <bool kRaw = false>
+template <bool kRaw = false, bool kShuffle = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
@@ -1374,7 +1374,8 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
   const uint32_t llf = ll_flag(n);
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
   if (!kRaw && warp == 0) {
-    claim_token<true>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx, c, true,
+    claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
+                                c, true,
                       pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
@@ -1398,7 +1399,9 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 // kSpread (F_SPREAD_CHUNKS; kSmallRecv and kRawRecv only, instantiations of their own):
 // place_rows_ll's chunks warp-major
-template <int kForm, bool kSpread = false>
+// kShuffle (F_SHUFFLE_MATCH; kSmallSend, kUnitExpRecv and kUnitExpFan only, instantiations of
+// their own, so that no other form carries its code): repeated ids by shuffles
+template <int kForm, bool kSpread = false, bool kShuffle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1446,7 +1449,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
-    send_lone_token<kForm == kRawSend>(L, a, n, pre);
+    send_lone_token<kForm == kRawSend, kShuffle>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
@@ -1490,8 +1493,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     const uint32_t llf = kUnits ? ll_flag(n)
                          : (!kSmall && a.real_send && ll_exchange(L, a)) ? ll_flag(n) : 0u;
     for (int t = lo + warp; t < hi; t += kWarps) {
-      claim_token(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot, src_idx, c,
-                  pre.ids && t == lo + warp, pre.e, pre.w, llf);
+      claim_token<false, kShuffle>(L, a, s_fb, t, t - lo, false, s_cnt, s_ecnt, s_slot,
+                                   src_idx, c, pre.ids && t == lo + warp, pre.e, pre.w, llf);
       if (!fused) continue;
       __syncwarp();
       copy_token_rows(s_fb, s_slot + (t - lo) * L.F, L.F,
@@ -1605,7 +1608,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
       if (form_unit_exp(kForm))
-        expand_units<kForm == kUnitExpFan>(L, a, n, deadline, smem);
+        expand_units<kForm == kUnitExpFan, kShuffle>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1684,6 +1687,8 @@ cudaError_t dispatch_prepare(const Layout& L) {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend, false, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawRecv>, attr, (int)smem);
   if (e == cudaSuccess)
@@ -1694,7 +1699,11 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan, false, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecvLL>, attr, (int)smem);
   return e;
 }
@@ -1709,6 +1718,15 @@ cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, 
              : launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);
 }
 
+// F_SHUFFLE_MATCH: a form that finds repeated ids, in its shuffle instantiation
+template <int kForm>
+cudaError_t launch_shuffling(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
+                             cudaStream_t stream) {
+  if (L.flags & F_SHUFFLE_MATCH)
+    return launch_transport_kernel(dispatch_kernel<kForm, false, true>, L, a, grid, smem, stream);
+  return launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);
+}
+
 cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cudaStream_t stream,
                             int* form) {
   const size_t smem = dispatch_smem_bytes(L);
@@ -1716,7 +1734,7 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
   if (form != nullptr) *form = f;
   switch (f) {
     case kSmallSend:
-      return launch_transport_kernel(dispatch_kernel<kSmallSend>, L, a, grid, smem, stream);
+      return launch_shuffling<kSmallSend>(L, a, grid, smem, stream);
     case kRawSend:
       return launch_transport_kernel(dispatch_kernel<kRawSend>, L, a, grid, smem, stream);
     case kRawRecv:
@@ -1728,9 +1746,9 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
     case kCountRecv:
       return launch_transport_kernel(dispatch_kernel<kCountRecv>, L, a, grid, smem, stream);
     case kUnitExpRecv:
-      return launch_transport_kernel(dispatch_kernel<kUnitExpRecv>, L, a, grid, smem, stream);
+      return launch_shuffling<kUnitExpRecv>(L, a, grid, smem, stream);
     case kUnitExpFan:
-      return launch_transport_kernel(dispatch_kernel<kUnitExpFan>, L, a, grid, smem, stream);
+      return launch_shuffling<kUnitExpFan>(L, a, grid, smem, stream);
     case kCountRecvLL:
       return launch_transport_kernel(dispatch_kernel<kCountRecvLL>, L, a, grid, smem, stream);
     default:

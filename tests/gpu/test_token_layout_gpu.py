@@ -710,16 +710,15 @@ def test_token_layout_unit_signal_graphs(layout, dtype_name, cap, small):
                      ffn_form="kSmallSend" if cap == 4 and small == "1" else None)
 
 
-@pytest.mark.parametrize("layout,dtype_name,cap", [("1A1F", "bfloat16", 4),
-                                                   ("2A2F", "float8_e4m3fn", 4),
-                                                   ("3A1F", "bfloat16", CAP)])
-def test_token_layout_shuffle_match_graphs(layout, dtype_name, cap):
-    """test_token_layout_early_collect_graphs with AFDEP_SHUFFLE_MATCH=1 (experimental): the
-    sender's claim finds a token's repeated ids by shuffles (kSmallSend at bucket 4, the
-    generic kernel's count form at bucket CAP). Every row exact, hostile ids reported."""
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("1A3F", "bfloat16")])
+def test_token_layout_shuffle_match_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_SHUFFLE_MATCH=1 (experimental): the
+    sender's claim (kSmallSend's shuffle instantiation) finds a token's repeated ids by
+    shuffles. Every row exact, hostile ids reported."""
     run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SHUFFLE_MATCH": "1"}, cap=cap,
-                     zero_copy=True)
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SHUFFLE_MATCH": "1"}, cap=4,
+                     zero_copy=True, attention_send_form="kSmallSend")
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),

@@ -66,6 +66,10 @@ def test_short_name_keeps_the_kernel_form():
     post = "EEvNS_6LayoutENS_11CombineArgsE"
     assert tool.short_name(pre + "ILi5ELb1E" + post) == "combine_kernel<5, true>"
     assert tool.short_name(pre + "ILi11ELb0E" + post) == "combine_kernel<11>"
+    # a third template argument (AFDEP_SHUFFLE_MATCH's instantiations): bools up to the last true
+    assert tool.short_name(pre + "ILi1ELb0ELb1E" + post) == "combine_kernel<1, false, true>"
+    assert tool.short_name(pre + "ILi2ELb1ELb0E" + post) == "combine_kernel<2, true>"
+    assert tool.short_name(pre + "ILi6ELb0ELb0E" + post) == "combine_kernel<6>"
 
 
 RESOURCES = """
