@@ -1280,7 +1280,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     if (lone >= 0) {  // first-pass unit warps (CTA 0's; kFan: all) write the offsets, unit 0
                       // the receipt
       row = lone_row<kFan, kShuffle>(L, a, r, nloc, el, pos, wi, tok, ai, sr, item,
-                           (kFan || c == 0) && u == gw, nbook, gw);  // (first pass)
+                                     (kFan || c == 0) && u == gw, nbook, gw);  // (first pass)
     } else {
       if (!kFan) {  // entry r: lane r's (kFan: r is this lane)
         el = __shfl_sync(kFull, el, r);
@@ -1375,8 +1375,7 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
   if (!kRaw && warp == 0) {
     claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
-                                c, true,
-                      pre.e, pre.w, llf);
+                                c, true, pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
