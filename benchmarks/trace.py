@@ -53,7 +53,6 @@ from torch_afdep import mps
 POINTS = 15
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
  TABLE, LOADED, MASKED, MAX_START) = range(POINTS)
-PRE_HIT = TABLE  # the reply's slot of TABLE: kUnitReplyPre summed its preloaded rows
 D, C = 0, 1  # phases
 
 def _gap(a, i: int, b, j: int) -> Optional[int]:

@@ -185,20 +185,6 @@ _CONTROLS = (
              "loads and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
-    _control("AFDEP_REPLY_PRELOAD", 23, 0,
-             "experimental, off by default (one H100, 0d14212: its GPU tests pass; 1A1F H4096 "
-             "no gain at T = 1, 2): the expert layout's reply of flagged units (kUnitReply) at "
-             "bucket 1 runs "
-             "kUnitReplyPre, whose warps load their chunk of rows 0-7 (two 16-byte vectors a "
-             "lane) together with the receipt words, before those name the token's rows: where "
-             "every row of the token is among them (bucket 1 with one Attention rank and top-k "
-             "<= 8, or one token in all reaching at most 8 experts) and a lane holds at most two "
-             "vectors of its chunk (32-64 vectors on a full grid), the sum takes the preloaded "
-             "vectors, so the reply pays one load latency instead of the receipt's and then the "
-             "rows'; else it loads the rows after the receipt; either way a token's rows add in "
-             "ascending order (its experts in order), so a sum of three or more rows may round "
-             "otherwise than with 0 or at a larger bucket; 0 = kUnitReply, the rows loaded "
-             "once the receipt names them and added in entry order"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "
@@ -392,6 +378,7 @@ RETIRED: Dict[str, str] = {
     "AFDEP_SPEC_REPLY": "removed in session 36: 0.2-2% slower at T <= 4",
     "AFDEP_LONE_SPLIT": "removed in session 36: within 1% of off",
     "AFDEP_PAIRED_POLL": "removed in session 42: slower at T = 1 and 7 (+2.7%, +3.6%)",
+    "AFDEP_REPLY_PRELOAD": "removed in session 42: no gain at T = 1 and 2 (+1.2%, -0.4%)",
 }
 
 

@@ -51,48 +51,16 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
          ((size_t)f * L.llc_tokens + t) * (size_t)(L.H / 2);
 }
 
-// F_REPLY_PRELOAD (kUnitReplyPre): the rows whose chunk each lane loads with the receipt words
-// (rows 0 .. kReplyPreRows - 1, its first kReplyPreVecs vectors of each): at bucket 1 and A = 1
-// every row of the token (R <= kReplyPreRows); with one token in all its n rows are
-// 0 .. n - 1 (one per expert; among these where n <= kReplyPreRows)
-constexpr int kReplyPreRows = 8, kReplyPreVecs = 2;
-
 // FFN: vectors [v0, v1) of the reduced row of receipt slot `item` -> its Attention rank's inbox
 // (fp32 sum of the token's valid rows; one row is copied as is, none gives zeros).
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
 // llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
-// kPre (kUnitReplyPre, F_REPLY_PRELOAD): this lane's first kReplyPreVecs vectors of the chunk
-// in rows [0, kReplyPreRows) load with the receipt words, before they name the rows; where the
-// token's valid rows are distinct and all among them and the chunk has at most kReplyPreVecs
-// vectors a lane, the sum takes them, else the loads below run. Either way the rows add in
-// ascending order (the token's experts in order: the same for a token whatever else the
-// batch holds), not in entry order as without kPre: the preloaded rows then need no index
-// that only the receipt gives (which would put them in local memory), so the rounding of a
-// sum of three or more rows may differ from kUnitReply's
-template <bool kPre = false>
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
                             int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
   // the loads before the checks: independent, so their latencies overlap (the check's early
   // return would otherwise keep the compiler from issuing the second before the first returns)
-  // kPre: the rows' loads ahead of the receipt's in the source (behind them, the spread
-  // instantiation's schedule put a wait for the first receipt word among the rows' loads)
-  int4 pre[kReplyPreVecs][kReplyPreRows];  // (every index a constant: registers)
-  if (kPre) {
-    // row k's vector j at rb + k * nv + 32 * j (one base, the vectors at constant offsets)
-    const int4* rb = static_cast<const int4*>(a.rows) + v0 + lane;
-    const int ncap = min(L.A * a.bucket * L.R, kReplyPreRows);
-#pragma unroll
-    for (int k = 0; k < kReplyPreRows; ++k) {
-      const int4* rk = rb + (size_t)k * (L.H / 8);
-#pragma unroll
-      for (int j = 0; j < kReplyPreVecs; ++j) {
-        pre[j][k] = make_int4(0, 0, 0, 0);  // (without, ptxas spilled: 128 registers, 48 B)
-        if (v0 + lane + 32 * j < v1 && k < ncap) pre[j][k] = ld_nc_v4(rk + 32 * j);
-      }
-    }
-  }
   const int tok = a.token_index[item];
   int row = -1;
   if (lane < L.R) row = a.token_rows[item * L.R + lane];
@@ -103,8 +71,6 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   const bool mark = L.trace != nullptr && threadIdx.x == 0 && first;
   if (mark && ((uint32_t)tok ^ (uint32_t)row ^ (uint32_t)count) != 0x80000001u)
     trace_mark(L, kTrMasked, -1);
-  if (kPre && mark && (uint32_t)pre[0][0].x != 0x80000001u)  // (as above: the rows' loads)
-    trace_mark(L, kTrLoaded, -1);
   if (slot >= 0 && slot >= min(max(count, 0), a.bucket)) return;  // no token in this slot
   // units: tok < T <= bucket <= llc_tokens for a receipt's token
   if (tok < 0 || tok >= (llf ? L.llc_tokens : L.C)) {
@@ -115,49 +81,13 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   const bool ok = lane < L.R && row >= 0 && row < rows_cap;
   const unsigned b = __ballot_sync(kFull, ok);
   const int nvalid = __popc(b);
-  // kPre: bit k of `hit` for row k of the token; the preloaded rows serve where every valid
-  // row is among them and distinct, and a lane holds at most kReplyPreVecs of the chunk
-  unsigned hit = 0;
-  if (kPre) hit = __reduce_or_sync(kFull, ok && row < kReplyPreRows ? 1u << row : 0u);
-  const bool pre_hit = kPre && __popc(hit) == nvalid && v1 - v0 <= 32 * kReplyPreVecs;
-  if (pre_hit) {  // (no s_rows: the sum below takes the rows from `hit`)
-  } else if (kPre) {  // ascending rows (equal ones, which no receive writes, by entry)
-    int at = 0;
-    for (int q = 0; q < L.R; ++q) {
-      const int o = __shfl_sync(kFull, row, q);
-      at += ((b >> q) & 1u) && (o < row || (o == row && q < lane)) ? 1 : 0;
-    }
-    if (ok) s_rows[warp][at] = row;
-  } else if (ok) {
-    s_rows[warp][__popc(b & lanemask_lt())] = row;  // entry order
-  }
+  if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
   __syncwarp();
   const int nv = L.H / 8;
   int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
   uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
-  if (pre_hit) {
-    if (mark && item == 0) trace_mark(L, kTrPreHit, -1);  // unit 0 only
-#pragma unroll
-    for (int j = 0; j < kReplyPreVecs; ++j) {
-      const int i = v0 + lane + 32 * j;
-      if (i >= v1) break;
-      int4 x = pre[j][0];
-      if (nvalid == 1) {  // copied as is, as below (hit: the same in every lane)
-#pragma unroll
-        for (int k = 1; k < kReplyPreRows; ++k)
-          if (hit == 1u << k) x = pre[j][k];
-      } else {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int k = 0; k < kReplyPreRows; ++k)
-          if ((hit >> k) & 1u) add_bf16x8(acc, pre[j][k]);
-        x = pack_bf16x8(acc);
-      }
-      if (llf) st_ll_vec(dstu + 4 * (size_t)i, x, llf);
-      else dst[i] = x;
-    }
-  } else if (nvalid == 1 && llf) {
+  if (nvalid == 1 && llf) {
     const int4* src = rows + (size_t)s_rows[warp][0] * nv;
     for (int i = v0 + lane; i < v1; i += 32) st_ll_vec(dstu + 4 * (size_t)i, ld_nc_v4(src + i), llf);
   } else if (nvalid == 1) {
@@ -577,7 +507,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
-// kSpread (F_SPREAD_CHUNKS; kSmallSend, kUnitReply(Pre), kSmallRecv, kEarlyCollect only, its own
+// kSpread (F_SPREAD_CHUNKS; kSmallSend, kUnitReply, kSmallRecv, kEarlyCollect only, its own
 // instantiations so that the other code is unchanged): unit u on warp u / G of CTA u % G
 // instead of warp u % 16 of CTA u / 16, so that a row's chunks spread over up to G SMs (at
 // T = 1 the expert layout's reply loads 8 rows, 64 KB, and every small form moves at least
@@ -587,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   constexpr bool kSmall = kForm != kGeneric;
   // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
   // layout's (kUnitReply); the collect's units (kSmallRecv)
-  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply || kForm == kUnitReplyPre;
+  constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply;
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
@@ -665,8 +595,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           const int h = u & (nch - 1), q = u >> lg;
           const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
           if (v1 > v0)
-            reply_chunk<kForm == kUnitReplyPre>(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane,
-                                                s_rows, warp, src_idx, q - ai * a.bucket, llf);
+            reply_chunk(L, a, s_ab, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp, src_idx,
+                        q - ai * a.bucket, llf);
         }
       }
       // the bucket-mismatch status, as below (after the rows: only CTA 0 loads it)
@@ -862,11 +792,8 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   if (L.tokens) return kGeneric;
   // expert layout: the reply's one-pass path (4 warps per receipt slot; its rows as units
   // when the bucket is small and F_LL_SMALL is on) and the collect in the count form
-  // (F_REPLY_PRELOAD at bucket 1: kUnitReplyPre for kUnitReply)
-  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps) {
-    if (!L.llc || a.bucket > L.llc_tokens) return kCountSend;
-    return (L.flags & F_REPLY_PRELOAD) && a.bucket == 1 ? kUnitReplyPre : kUnitReply;
-  }
+  if (send && (L.flags & F_EARLY_LOADS) && 4 * L.A * a.bucket <= grid * kWarps)
+    return L.llc && a.bucket <= L.llc_tokens ? kUnitReply : kCountSend;
   return recv ? kCountRecv : kGeneric;
 }
 
@@ -892,8 +819,6 @@ cudaError_t launch_combine(const Layout& L, const CombineArgs& a, int grid, cuda
       return launch_transport_kernel(combine_kernel<kCountSend>, L, a, grid, 0, stream);
     case kUnitReply:
       return launch_spreadable<kUnitReply>(spread, L, a, grid, stream);
-    case kUnitReplyPre:
-      return launch_spreadable<kUnitReplyPre>(spread, L, a, grid, stream);
     case kCountRecv:
       return launch_transport_kernel(combine_kernel<kCountRecv>, L, a, grid, 0, stream);
     case kEarlyCollect:

@@ -93,9 +93,6 @@ CASES = {
                           EXCHANGES),
     "ll_experts_fanout_ffn_units": ({"AFDEP_LL_EXPERTS": "1", "AFDEP_FANOUT_EXPAND": "1"},
                                     dict(num_sms=8), [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    # AFDEP_REPLY_PRELOAD (experimental): the FFN's reply at bucket 1 in kUnitReplyPre, beside
-    # an Attention rank at bucket 4 (a mismatch: its slot holds no token)
-    "reply_preload": ({"AFDEP_REPLY_PRELOAD": "1"}, {}, [(1, 1, 1), (1, 4, 1), (1, 1, 1)]),
     # AFDEP_UNIT_SIGNAL=0 (on by default, as in early_collect_* below: the reply's units CTAs
     # unfenced): every reply CTA fences again; the FFN's start units (bucket 4) tell the
     # mismatch in either layout, and the FFN's count form (bucket 16) meets the Attention's units
@@ -301,8 +298,6 @@ def test_bucket_mismatch_reported_on_both_roles(case):
             want = ("kEarlyCollect" if tokens_layout and tokens <= cfg_kw["num_sms"]
                     else "kSmallRecv")
             assert a[1] == want, (i, a)
-        if case == "reply_preload":  # the FFN's bucket 1: the preloading reply
-            assert f[1] == "kUnitReplyPre", (i, f)
         if case.startswith("raw_meta"):  # the token layout's units: ceil(bucket / S) <= 2
             units = [-(-b // cfg_kw["num_sms"]) <= 2 for b in (bucket_a, bucket_f)]
             assert a[0] == ("kRawSend" if units[0] else "kGeneric"), (i, a)

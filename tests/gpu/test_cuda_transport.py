@@ -565,73 +565,13 @@ def test_fanout_expand_sanitizer_small(dtype):
                      (1, [1], "partial")], env=FANOUT, seed=29)
 
 
-# AFDEP_REPLY_PRELOAD (experimental, off by default): the expert layout's units reply at bucket
-# 1 in its own form, kUnitReplyPre, whose warps load their chunk of rows 0-7 with the receipt.
-# Where every row of the receipt slot is among them (1A1F: A x bucket x R = 8 rows) and a
-# lane holds at most two vectors of the chunk (a full grid's chunks are 32-64 vectors) the sum
-# takes the preloaded vectors; else (a row past 8, which 2A2F and 3A1F can give when several
-# sources send; three vectors a lane on one CTA at H 12,288) the rows load after the receipt.
-# Both paths run below; the trace shows which one CTA 0's first unit took
-PRELOAD = {"AFDEP_REPLY_PRELOAD": "1"}
-PRELOAD_BIT = controls.CONTROLS["AFDEP_REPLY_PRELOAD"].bit
-
-
-def preload_plan(A):
-    """Buckets 1 (kUnitReplyPre): a token from every source, from one, from none, in every
-    routing kind ("partial" leaves a token 0-8 valid entries: no row, one row copied, several
-    summed), then bucket 8 (kUnitReply; kGeneric on one CTA, whose 16 warps are fewer than 4
-    per slot) and 1 again."""
+def bucket1_plan(A):
+    """Buckets 1: a token from every source, from one, from none, in every routing kind
+    ("partial" leaves a token 0-8 valid entries: no row, one row copied, several summed), then
+    bucket 8 and 1 again."""
     return [(1, [1] * A, "random"), (1, one_source(A, 0), "partial"), (1, [0] * A, "random"),
             (1, [1] * A, "skewed"), (1, one_source(A, A - 1), "random"), (1, [1] * A, "partial"),
             (8, [(3, 8, 1)[a % 3] for a in range(A)], "random"), (1, [1] * A, "random")]
-
-
-@pytest.mark.parametrize("layout,dtype,hidden,local_sms", [
-    ("1A1F", "bfloat16", 4096, 0), ("1A1F", "bfloat16", 7168, 0),
-    ("1A1F", "float8_e4m3fn", 2048, 0), ("1A1F", "bfloat16", 12288, 1),
-    ("2A2F", "bfloat16", 4096, 0), ("3A1F", "float8_e4m3fn", 7168, 0),
-    ("1A3F", "bfloat16", 2048, 0)])
-def test_reply_preload_eager(layout, dtype, hidden, local_sms):
-    """AFDEP_REPLY_PRELOAD=1: every exchange of preload_plan exact on every rank (the FFN's
-    receipts against every source; the Attention's output, which the reply sums, against the
-    fp64 reference), every reply at bucket 1 in kUnitReplyPre. A row's chunks are 32-64
-    vectors on a full grid: hidden 4,096 and 2,048 give one vector a lane, 7,168 two (the
-    second on 24 lanes); 12,288 on one CTA (local_sms 1: 16 chunks of 96 vectors) three, so
-    the rows load after the receipt. With the stage trace: in 1A1F on a full grid CTA 0's
-    first unit (source 0's slot) summed the preloaded rows in exactly the bucket-1 exchanges
-    that sent a token, on one CTA at H 12,288 in none; 2A2F and 3A1F may take either."""
-    A = LAYOUTS[layout][1]
-    plan = preload_plan(A)
-    kw = dict(cfg_kw(layout, 8, hidden, dtype), local_sms=local_sms)
-    res = run(layout, kw, plan, env={**PRELOAD, "AFDEP_TRACE": "1"}, seed=77)
-    for r, st in enumerate(res):
-        assert st["flags"] & PRELOAD_BIT, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            other = "kGeneric" if local_sms == 1 else "kUnitReply"  # bucket 8
-            assert st["forms"][1] == {"kUnitReplyPre", other}, (r, st["forms"])
-            assert len(st["pre_hits"]) == len(plan), (r, st["pre_hits"])
-            if layout == "1A1F":
-                want = [bucket == 1 and tokens[0] > 0 and local_sms == 0
-                        for bucket, tokens, _ in plan]
-                assert st["pre_hits"] == want, (r, st["pre_hits"], want)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_reply_preload_graph_replays(dtype):
-    """AFDEP_REPLY_PRELOAD=1, 100 checked graph replays of a 1A1F exchange of one token at
-    bucket 1 (fresh ids and weights each replay, some entries -1: the token reaches 0-8
-    experts), the reply in kUnitReplyPre."""
-    graph_replays_1a1f(dtype, 1, 1, PRELOAD, 9970,
-                       forms=((None, "kUnitReplyPre"), (None, "kSmallRecv")))
-
-
-def test_reply_preload_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_REPLY_PRELOAD=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): bucket 1 at hidden 7,168 (two vectors a lane, the second on 24
-    lanes), then bucket 8 (kUnitReply)."""
-    kw = cfg_kw("1A1F", 8, 7168)
-    run("1A1F", kw, [(1, [1], "random"), (1, [1], "partial"), (1, [0], "random"),
-                     (8, [5], "random"), (1, [1], "skewed")], env=PRELOAD, seed=31)
 
 
 # AFDEP_UNIT_SIGNAL (on by default; set here all the same): a reply CTA that wrote only flagged
@@ -644,14 +584,14 @@ UNIT_BIT = controls.CONTROLS["AFDEP_UNIT_SIGNAL"].bit
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                           ("3A1F", "bfloat16"), ("1A3F", "bfloat16")])
 def test_unit_signal_eager(layout, dtype):
-    """AFDEP_UNIT_SIGNAL=1: every exchange of lone_plan, llx_plan and preload_plan exact on
+    """AFDEP_UNIT_SIGNAL=1: every exchange of lone_plan, llx_plan and bucket1_plan exact on
     every rank. The expert layout's replies of flagged units (kUnitReply, most of their CTAs'
     counts unfenced) alternate with replies in the count form (buckets 48 and 128, every CTA
     fenced), whose collects read the rows behind the count: the counts stay in step across
     both."""
     A = LAYOUTS[layout][1]
     res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A) +
-              preload_plan(A), env={**UNIT, **LLX}, seed=89)
+              bucket1_plan(A), env={**UNIT, **LLX}, seed=89)
     for r, st in enumerate(res):
         assert st["flags"] & UNIT_BIT, (r, hex(st["flags"]))
         if st["role"] == "ffn":
@@ -869,12 +809,11 @@ def test_sanitizer_small():
 @pytest.mark.parametrize("layout,afdep_env", [
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
-    ("experts", ["AFDEP_REPLY_PRELOAD=1"]), ("experts", ["AFDEP_UNIT_SIGNAL=0"]),
-    ("experts", ["AFDEP_SHUFFLE_MATCH=1"]), ("tokens", ["AFDEP_SHUFFLE_MATCH=1"]),
-    ("experts", ["AFDEP_EARLY_COLLECT_EXPERTS=1"])],
+    ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=1"]),
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=1"]), ("experts", ["AFDEP_EARLY_COLLECT_EXPERTS=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
-         "experts-fanout", "experts-reply_preload", "experts-unit_signal_off",
-         "experts-shuffle_match", "tokens-shuffle_match", "experts-early_collect"])
+         "experts-fanout", "experts-unit_signal_off", "experts-shuffle_match",
+         "tokens-shuffle_match", "experts-early_collect"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -884,8 +823,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     CTA 0's. raw_meta: AFDEP_RAW_META=1, whose T = 1 dispatch in the token layout (kRawSend)
     stamps the claim after its copy; the expert layout keeps kSmallSend. fanout:
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
-    reply_preload: AFDEP_REPLY_PRELOAD=1, the T = 1 reply in kUnitReplyPre; unit_signal_off:
-    AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; shuffle_match:
+    unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; shuffle_match:
     AFDEP_SHUFFLE_MATCH=1, the default forms (the claim's and the lone receive's repeated ids
     by shuffles); early_collect: AFDEP_EARLY_COLLECT_EXPERTS=1, the T = 1 collect in
     kEarlyCollect (whose "done seen" is warp 0's wait on CTA 0)."""
@@ -908,15 +846,13 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     assert [r["tokens"] for r in rows] == [1, 128, 1]
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
-                "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_REPLY_PRELOAD=1": "kSmallSend",
-                "AFDEP_UNIT_SIGNAL=0": "kSmallSend", "AFDEP_SHUFFLE_MATCH=1": "kSmallSend",
+                "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
+                "AFDEP_SHUFFLE_MATCH=1": "kSmallSend",
                 "AFDEP_EARLY_COLLECT_EXPERTS=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
-                            else "kUnitExpRecv",
-                            "kUnitReplyPre" if afdep_env == ["AFDEP_REPLY_PRELOAD=1"]
-                            else "kUnitReply"],
+                            else "kUnitExpRecv", "kUnitReply"],
                 "tokens": ["kRawRecv" if afdep_env == ["AFDEP_RAW_META=1"] else "kSmallRecv",
                            "kSmallSend"]}
     for r in (rows[0], rows[2]):

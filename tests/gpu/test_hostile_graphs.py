@@ -211,25 +211,6 @@ def test_lone_expand_hostile_graph_replays(layout, arm):
     assert sum(s["route_errors"] for s in _att(stats)) > 0, stats
 
 
-@pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
-def test_reply_preload_hostile_graph_replays(layout):
-    """SCEN_LONE's kinds at bucket 1 with AFDEP_REPLY_PRELOAD=1: the reply in kUnitReplyPre
-    (its rows loaded with the receipt; NaN / Inf, duplicates and tokens without a route through
-    the same adds), the dispatch as units (kSmallSend, kUnitExpRecv). Out-of-range ids reported
-    on the Attention rank, every valid entry exact on every rank, a token without a route
-    giving zeros."""
-    scen = [{**s, "bucket": 1} for s in SCEN_LONE[layout]]
-    stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=17,
-                env={"AFDEP_REPLY_PRELOAD": "1"})
-    for s in stats:
-        assert s["checked"] == _replays(scen), s
-        assert s["flags"] & controls.CONTROLS["AFDEP_REPLY_PRELOAD"].bit, hex(s["flags"])
-        want = {"ffn": ("kUnitExpRecv", "kUnitReplyPre"),
-                "attention": ("kSmallSend", "kSmallRecv")}[s["role"]]
-        assert (s["forms"][0], s["forms"][1]) == ({want[0]}, {want[1]}), s["forms"]
-    assert sum(s["route_errors"] for s in _att(stats)) > 0, stats
-
-
 @pytest.mark.parametrize("layout,experts,llx", [("1A1F", 128, False), ("2A2F", 128, False),
                                                 ("2A2F", 8, False), ("2A2F", 8, True),
                                                 ("2A2F", 8, "fanout"),

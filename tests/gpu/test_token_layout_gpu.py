@@ -469,8 +469,7 @@ def _arms():
 
     arms = [("default", {})]
     for name, setting in env.CONTROLS.items():
-        if name in ("AFDEP_LL_EXPERTS", "AFDEP_LONE_EXPAND", "AFDEP_FANOUT_EXPAND",
-                    "AFDEP_REPLY_PRELOAD"):
+        if name in ("AFDEP_LL_EXPERTS", "AFDEP_LONE_EXPAND", "AFDEP_FANOUT_EXPAND"):
             continue  # the expert layout's only
         # each control away from its default: reverted, or (experimental) switched on
         value = "0" if setting.default else "1"

@@ -157,15 +157,11 @@ def exchanges_body(rank, world, cfg_kw, plan, seed0, bad_ids=False, view=False):
                 check_ffn(cfg, idx, o, inputs)
                 tr = t.trace()
                 if tr is not None:  # AFDEP_TRACE=1: (tokens received, count table stamped)
-                    from benchmarks.trace import PRE_HIT, TABLE  # the trace points' indices
+                    from benchmarks.trace import TABLE  # the trace point's index
 
-                    stamps, (n_disp, n_comb) = tr
-                    ring = stamps.shape[0]
-                    table = bool(stamps[n_disp % ring, 0, TABLE] != 0)
+                    stamps, (n_disp, _) = tr
+                    table = bool(stamps[n_disp % stamps.shape[0], 0, TABLE] != 0)
                     stats.setdefault("tables", []).append((int(o.num_tokens.sum()), table))
-                    # the reply's: kUnitReplyPre summed its preloaded rows (CTA 0's thread 0)
-                    stats.setdefault("pre_hits", []).append(
-                        bool(stamps[n_comb % ring, 1, PRE_HIT] != 0))
             else:
                 x, ids, w, sc = inputs[idx]
                 T = x.shape[0]

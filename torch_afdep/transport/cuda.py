@@ -319,9 +319,8 @@ class CudaTransport(Transport):
         (else None): ``(stamps, counters)`` with ``stamps`` an int64 tensor [ring, 2 phases,
         points] of %globaltimer ns (points: start, sent, waited, end, latest sent, latest
         waited, latest end, expansion ready, tokens claimed, payload written, reply rows
-        written, count table loaded (the reply's slot: its preloaded rows summed), first loads
-        arrived (dispatch sender, FFN reply): csrc/include/afdep/layout.h TracePoint; 0 = not
-        reached)
+        written, count table loaded, first loads arrived (dispatch sender, FFN reply):
+        csrc/include/afdep/layout.h TracePoint; 0 = not reached)
         indexed by exchange number modulo ring, and ``counters`` the (dispatch, combine) exchange numbers of CTA 0.
         Synchronizes the device: never call it inside a timed region."""
         from .. import _cuda

@@ -21,9 +21,7 @@ namespace afdep {
 // kSmallRecv with a lone token's raw ids and weights as its metadata units (kRawSend,
 // kRawRecv, F_RAW_META: raw_meta in dispatch.cu); kUnitExpRecv whose units are (token, chunk
 // of its row), each chunk stored into every row of the token's entries (kUnitExpFan,
-// F_FANOUT_EXPAND: expand_units in dispatch.cu); kUnitReply whose warps load their chunk of
-// the first rows with the receipt, before it names the rows (kUnitReplyPre, F_REPLY_PRELOAD:
-// reply_chunk in combine.cu).
+// F_FANOUT_EXPAND: expand_units in dispatch.cu).
 // All small forms assume the four directional controls. A launch takes a small form only
 // where the generic kernel would take that path too (the host's dispatch_form /
 // combine_form), except kUnitExpRecv and the expert layout's kSmallSend (the generic kernel
@@ -34,7 +32,7 @@ namespace afdep {
 #define AFDEP_KERNEL_FORMS(X)                                                             \
   X(kGeneric, 0) X(kSmallSend, 1) X(kSmallRecv, 2) X(kCountSend, 3) X(kCountRecv, 4)      \
   X(kUnitReply, 5) X(kUnitExpRecv, 6) X(kCountRecvLL, 7) X(kEarlyCollect, 8)               \
-  X(kRawSend, 9) X(kRawRecv, 10) X(kUnitExpFan, 11) X(kUnitReplyPre, 12)
+  X(kRawSend, 9) X(kRawRecv, 10) X(kUnitExpFan, 11)
 
 enum KernelForm : int {
 #define AFDEP_FORM_ENUM(name, value) name = value,
@@ -46,8 +44,7 @@ __host__ __device__ constexpr bool form_units(int f) {
          f == kRawRecv || f == kUnitExpFan;
 }
 __host__ __device__ constexpr bool form_send_only(int f) {
-  return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kRawSend ||
-         f == kUnitReplyPre;
+  return f == kSmallSend || f == kCountSend || f == kUnitReply || f == kRawSend;
 }
 __host__ __device__ constexpr bool form_recv_only(int f) {
   return f == kSmallRecv || f == kCountRecv || f == kUnitExpRecv || f == kCountRecvLL ||

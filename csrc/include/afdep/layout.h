@@ -53,9 +53,6 @@ namespace afdep {
   X(SPREAD_CHUNKS, 22)      /* the small combine forms and the token layout's units receive: \
                                a row's chunks go to one warp on each of several CTAs, not to  \
                                one CTA's warps */                                             \
-  X(REPLY_PRELOAD, 23)      /* the expert layout's units reply at bucket 1: each warp loads   \
-                               its chunk of the first rows with the receipt (kUnitReplyPre,   \
-                               experimental) */                                               \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */                          \
@@ -150,8 +147,6 @@ enum TracePoint : int {
   kTrCopied = 9,   // dispatch sender: payload rows written, before the signalling fence (CTA 0)
   kTrWritten = 10, // FFN reply: reduced rows written, before the signalling fence (CTA 0)
   kTrTable = 11,   // FFN receive: count table in shared memory, before the scans (CTA 0)
-  kTrPreHit = 11,  // FFN reply (its phase's slot of kTrTable): kUnitReplyPre's thread 0 summed
-                   // its preloaded rows (CTA 0)
   kTrLoaded = 12,  // thread 0's first loads arrived (CTA 0): dispatch sender, its token's
                    // expert id (F_EARLY_LOADS) and the exchange number; FFN reply
                    // (F_EARLY_LOADS, token layout), its first row's token index and vector;
