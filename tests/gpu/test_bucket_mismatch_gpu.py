@@ -45,6 +45,11 @@ BASE = dict(capacity_tokens_per_rank=16, hidden_size=256, num_experts=8, top_k=2
             attention_ranks=1, num_sms=4, local_sms=8, num_slots=1, timeout_s=TIMEOUT_S)
 # (tokens, Attention bucket, FFN bucket) of the three exchanges: equal, mismatched, equal
 EXCHANGES = [(5, 8, 8), (3, 4, 8), (5, 8, 8)]
+# the flagged units on one side only: the FFN's bucket 4 (its start units, at 4 tokens a
+# channel, tell the mismatch) against the Attention's 16, and the reverse (the FFN's bucket 16:
+# the count form)
+FFN_UNITS = [(5, 8, 8), (3, 16, 4), (5, 8, 8)]
+FFN_COUNTS = [(5, 8, 8), (3, 4, 16), (5, 8, 8)]
 # Every receive path checks the bucket: id -> (environment, Config changes, exchanges)
 CASES = {
     "role_aware": ({}, {}, EXCHANGES),
@@ -69,10 +74,8 @@ CASES = {
     # only, the FFN's count form (bucket 16) takes the raw region as a mismatch, and the
     # reverse
     "raw_meta": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"), EXCHANGES),
-    "raw_meta_ffn_counts": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"),
-                            [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "raw_meta_ffn_units": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"),
-                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "raw_meta_ffn_counts": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"), FFN_COUNTS),
+    "raw_meta_ffn_units": ({"AFDEP_RAW_META": "1"}, dict(receive_layout="tokens"), FFN_UNITS),
     # the expert layout's reply: units by default (bucket 8 <= 2 x 4, the role_aware case), the
     # count form with AFDEP_LL_SMALL=0, and on one side only (early_collect_experts_ffn_counts
     # and _units below, the same defaults)
@@ -83,25 +86,22 @@ CASES = {
     # units receive seeing the Attention's count block (bucket 16); reverted, the count blocks
     # on both sides at every bucket
     "ll_experts": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8), EXCHANGES),
-    "ll_experts_ffn_counts": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
-                              [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8),
-                             [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "ll_experts_ffn_counts": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8), FFN_COUNTS),
+    "ll_experts_ffn_units": ({"AFDEP_LL_EXPERTS": "1"}, dict(num_sms=8), FFN_UNITS),
     # AFDEP_FANOUT_EXPAND (experimental): the FFN's units receive in kUnitExpFan, on both sides
     # and beside the Attention's count block (bucket 16)
     "ll_experts_fanout": ({"AFDEP_LL_EXPERTS": "1", "AFDEP_FANOUT_EXPAND": "1"}, dict(num_sms=8),
                           EXCHANGES),
     "ll_experts_fanout_ffn_units": ({"AFDEP_LL_EXPERTS": "1", "AFDEP_FANOUT_EXPAND": "1"},
-                                    dict(num_sms=8), [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+                                    dict(num_sms=8), FFN_UNITS),
     # AFDEP_UNIT_SIGNAL=0 (on by default, as in early_collect_* below: the reply's units CTAs
     # unfenced): every reply CTA fences again; the FFN's start units (bucket 4) tell the
     # mismatch in either layout, and the FFN's count form (bucket 16) meets the Attention's units
     "unit_signal_off_ffn_units": ({"AFDEP_UNIT_SIGNAL": "0"}, dict(receive_layout="tokens"),
-                                  [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+                                  FFN_UNITS),
     "unit_signal_off_ffn_counts": ({"AFDEP_UNIT_SIGNAL": "0"}, dict(receive_layout="tokens"),
-                                   [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "unit_signal_off_experts_ffn_units": ({"AFDEP_UNIT_SIGNAL": "0"}, {},
-                                          [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+                                   FFN_COUNTS),
+    "unit_signal_off_experts_ffn_units": ({"AFDEP_UNIT_SIGNAL": "0"}, {}, FFN_UNITS),
     "ll_experts_reverted": ({"AFDEP_LL_EXPERTS": "0"}, dict(num_sms=8), EXCHANGES),
     # The flagged units on one side only, with the defaults (AFDEP_LL_SMALL and
     # AFDEP_EARLY_COLLECT on; set here all the same), in either layout: the FFN (bucket 16, 4 per
@@ -111,26 +111,20 @@ CASES = {
     # (the FFN's bucket 4: its start units tell the mismatch). The expert layout's collect
     # keeps its barrier (kSmallRecv) with the control on.
     "early_collect_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
-                                 [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
+                                 FFN_COUNTS),
     "early_collect_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, dict(receive_layout="tokens"),
-                                [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    "early_collect_experts_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, {},
-                                         [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "early_collect_experts_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, {},
-                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+                                FFN_UNITS),
+    "early_collect_experts_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, {}, FFN_COUNTS),
+    "early_collect_experts_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, {}, FFN_UNITS),
     # AFDEP_EARLY_COLLECT_EXPERTS (experimental): the expert layout's collect in the early form,
     # meeting the FFN's count form (bucket 16) and the FFN's start units telling the mismatch
-    "early_collect_experts_on_ffn_counts": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {},
-                                            [(5, 8, 8), (3, 4, 16), (5, 8, 8)]),
-    "early_collect_experts_on_ffn_units": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {},
-                                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+    "early_collect_experts_on_ffn_counts": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {}, FFN_COUNTS),
+    "early_collect_experts_on_ffn_units": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {}, FFN_UNITS),
     # AFDEP_SPREAD_CHUNKS=0 (every other case spreads, the default): the reply's start units,
     # which tell the mismatch, from CTA 0's warps instead of the last CTA's last warp
     "early_collect_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"},
-                                           dict(receive_layout="tokens"),
-                                           [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
-    "ll_experts_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"}, dict(num_sms=8),
-                                        [(5, 8, 8), (3, 16, 4), (5, 8, 8)]),
+                                           dict(receive_layout="tokens"), FFN_UNITS),
+    "ll_experts_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"}, dict(num_sms=8), FFN_UNITS),
 }
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}
