@@ -215,14 +215,6 @@ _CONTROLS = (
              "T = 1 the two stages holding MATCH.ANY (the claim's route mask, the lone "
              "receive's rows) take 0.5-0.6 us each for a few dozen instructions; the same "
              "outputs"),
-    _control("AFDEP_EARLY_COLLECT_EXPERTS", 28, 0,
-             "experimental, off by default (not yet run on a GPU): the expert layout's collect "
-             "of flagged reply units takes AFDEP_EARLY_COLLECT's form (kEarlyCollect) as the "
-             "token layout's does, where T <= num_sms; the reply's units are the same in both "
-             "layouts, so only the host's choice of form changes; on one H200 before "
-             "AFDEP_SPREAD_CHUNKS and AFDEP_UNIT_SIGNAL that form was 1-4% slower in this "
-             "layout (its lanes spun longer on the shared GPU); needs AFDEP_EARLY_COLLECT; 0 = "
-             "the expert layout's collect keeps its barrier behind the start units"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -379,6 +371,8 @@ RETIRED: Dict[str, str] = {
     "AFDEP_LONE_SPLIT": "removed in session 36: within 1% of off",
     "AFDEP_PAIRED_POLL": "removed in session 42: slower at T = 1 and 7 (+2.7%, +3.6%)",
     "AFDEP_REPLY_PRELOAD": "removed in session 42: no gain at T = 1 and 2 (+1.2%, -0.4%)",
+    "AFDEP_EARLY_COLLECT_EXPERTS": "removed in session 43: the expert layout's collect no "
+                                   "shorter (1.7 us at T = 1), +1.1% at T = 1",
 }
 
 

@@ -777,11 +777,9 @@ int combine_form(const Layout& L, const CombineArgs& a, int grid) {
   const bool send = a.do_send && a.real_send && !a.do_recv;
   const bool recv = a.do_recv && a.real_recv && !a.do_send;
   // the collect of either layout: flagged units (F_LL_SMALL, T <= kLLTokens * S); the early
-  // collect (layout.h kEarlyCollectTokensPerSm) in the token layout, and in the expert layout
-  // with F_EARLY_COLLECT_EXPERTS (the reply's units are the same in both layouts)
+  // collect in the token layout only (layout.h kEarlyCollectTokensPerSm)
   if (recv && L.llc && a.T <= L.llc_tokens)
-    return (L.flags & F_EARLY_COLLECT) && (L.tokens || (L.flags & F_EARLY_COLLECT_EXPERTS)) &&
-                   a.T <= kEarlyCollectTokensPerSm * L.S
+    return (L.flags & F_EARLY_COLLECT) && L.tokens && a.T <= kEarlyCollectTokensPerSm * L.S
                ? kEarlyCollect
                : kSmallRecv;
   if (L.ll) {  // token layout

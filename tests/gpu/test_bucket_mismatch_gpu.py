@@ -116,10 +116,6 @@ CASES = {
                                 FFN_UNITS),
     "early_collect_experts_ffn_counts": ({"AFDEP_EARLY_COLLECT": "1"}, {}, FFN_COUNTS),
     "early_collect_experts_ffn_units": ({"AFDEP_EARLY_COLLECT": "1"}, {}, FFN_UNITS),
-    # AFDEP_EARLY_COLLECT_EXPERTS (experimental): the expert layout's collect in the early form,
-    # meeting the FFN's count form (bucket 16) and the FFN's start units telling the mismatch
-    "early_collect_experts_on_ffn_counts": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {}, FFN_COUNTS),
-    "early_collect_experts_on_ffn_units": ({"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, {}, FFN_UNITS),
     # AFDEP_SPREAD_CHUNKS=0 (every other case spreads, the default): the reply's start units,
     # which tell the mismatch, from CTA 0's warps instead of the last CTA's last warp
     "early_collect_ffn_units_spread_off": ({"AFDEP_SPREAD_CHUNKS": "0"},

@@ -708,23 +708,6 @@ def test_early_collect_not_in_expert_layout(layout, dtype, value):
             assert "kEarlyCollect" not in st["forms"][1], (r, st["forms"])
 
 
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                          ("3A1F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
-def test_early_collect_experts(layout, dtype):
-    """AFDEP_EARLY_COLLECT_EXPERTS=1 (experimental): every exchange of lone_plan, then llx_plan,
-    exact on every rank, and the expert layout's collects of flagged units at T <= 24 (the
-    sender's SMs) in kEarlyCollect: the reply's units, start units, mismatch status and count
-    form read as the token layout's early collect reads them."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), lone_plan(A) + llx_plan(A),
-              env={"AFDEP_EARLY_COLLECT_EXPERTS": "1"}, seed=31)
-    bit = controls.CONTROLS["AFDEP_EARLY_COLLECT_EXPERTS"].bit
-    for r, st in enumerate(res):
-        assert st["flags"] & bit, (r, hex(st["flags"]))
-        if st["role"] == "attention":
-            assert "kEarlyCollect" in st["forms"][1], (r, st["forms"])
-
-
 @pytest.mark.parametrize("env", [{}, SYM], ids=["role_aware", "symmetric"])
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
                                           ("2A2F", "float8_e4m3fn"), ("3A1F", "bfloat16"),
@@ -810,10 +793,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=1"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=1"]), ("experts", ["AFDEP_EARLY_COLLECT_EXPERTS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-shuffle_match",
-         "tokens-shuffle_match", "experts-early_collect"])
+         "tokens-shuffle_match"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -825,8 +808,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; shuffle_match:
     AFDEP_SHUFFLE_MATCH=1, the default forms (the claim's and the lone receive's repeated ids
-    by shuffles); early_collect: AFDEP_EARLY_COLLECT_EXPERTS=1, the T = 1 collect in
-    kEarlyCollect (whose "done seen" is warp 0's wait on CTA 0)."""
+    by shuffles)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -847,8 +829,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=1": "kSmallSend",
-                "AFDEP_EARLY_COLLECT_EXPERTS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -122,7 +122,7 @@ SCEN_LLX = {
 
 
 @pytest.mark.parametrize("arm", ["defaults", "count_form", "spread_off", "fanout",
-                                 "shuffle_match", "early_collect"])
+                                 "shuffle_match"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_units_hostile_graph_replays(layout, arm):
     """test_hostile_graph_replays' kinds (and duplicated ids, checked against the contract)
@@ -132,8 +132,7 @@ def test_units_hostile_graph_replays(layout, arm):
     spread_off: AFDEP_SPREAD_CHUNKS=0, the reply's and collect's chunks on one CTA's warps
     (spread over the CTAs in the other arms); fanout: AFDEP_FANOUT_EXPAND=1, the receive in
     kUnitExpFan; shuffle_match: AFDEP_SHUFFLE_MATCH=1, the claim's repeated ids found by
-    shuffles; early_collect: AFDEP_EARLY_COLLECT_EXPERTS=1, the collect in kEarlyCollect. The
-    collect takes the units with a barrier behind the start units in every other arm
+    shuffles. The collect takes the units with a barrier behind the start units in every arm
     (kSmallRecv: AFDEP_EARLY_COLLECT is the token layout's), the reply is kUnitReply in every
     arm.
     Out-of-range ids reported on the Attention rank after the replays that had them, every
@@ -144,8 +143,7 @@ def test_units_hostile_graph_replays(layout, arm):
     env = {"defaults": {}, "count_form": {"AFDEP_LL_EXPERTS": "0"},
            "spread_off": {"AFDEP_SPREAD_CHUNKS": "0"},
            "fanout": {"AFDEP_FANOUT_EXPAND": "1"},
-           "shuffle_match": {"AFDEP_SHUFFLE_MATCH": "1"},
-           "early_collect": {"AFDEP_EARLY_COLLECT_EXPERTS": "1"}}[arm]
+           "shuffle_match": {"AFDEP_SHUFFLE_MATCH": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=9, env=env)
     units = arm != "count_form"
     spread = controls.CONTROLS["AFDEP_SPREAD_CHUNKS"].bit
@@ -160,8 +158,7 @@ def test_units_hostile_graph_replays(layout, arm):
                 "attention": "kSmallSend" if units else "kCountSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
         # and the reply in units (bucket 48 <= 2 x 48 channels), spread but in spread_off
-        collect = "kEarlyCollect" if arm == "early_collect" else "kSmallRecv"
-        assert s["forms"][1] == {collect if s["role"] == "attention" else "kUnitReply"}, \
+        assert s["forms"][1] == {"kSmallRecv" if s["role"] == "attention" else "kUnitReply"}, \
             s["forms"]
     for s in _att(stats):
         assert s["route_errors"] > 0, s

@@ -60,9 +60,7 @@ namespace afdep {
                                completion count without a system fence */                     \
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
                                sender's claim and the expert layout's lone receive            \
-                               (experimental) */                                              \
-  X(EARLY_COLLECT_EXPERTS, 28) /* the expert layout's collect of flagged units takes the     \
-                               early form too (kEarlyCollect; experimental) */
+                               (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
