@@ -711,12 +711,12 @@ def test_token_layout_unit_signal_graphs(layout, dtype_name, cap, small):
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
-def test_token_layout_shuffle_match_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_SHUFFLE_MATCH=1 (experimental): the
-    sender's claim (kSmallSend's shuffle instantiation) finds a token's repeated ids by
-    shuffles. Every row exact, hostile ids reported."""
+def test_token_layout_match_any_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_SHUFFLE_MATCH=0: the sender's claim
+    (kSmallSend's MATCH.ANY instantiation) finds a token's repeated ids by MATCH.ANY instead
+    of shuffles. Every row exact, hostile ids reported."""
     run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SHUFFLE_MATCH": "1"}, cap=4,
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SHUFFLE_MATCH": "0"}, cap=4,
                      zero_copy=True, attention_send_form="kSmallSend")
 
 
