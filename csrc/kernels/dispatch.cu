@@ -67,8 +67,8 @@ __device__ __forceinline__ uint64_t* ll_token(const Layout& L, uint64_t* region,
 
 // F_SHUFFLE_MATCH: whether a lane below this one holds the same key, among lanes [0, n) (keys
 // of lanes past n never repeat a key: distinct negatives). One warp, every lane takes part.
-// n shuffles in place of MATCH.ANY, whose latency both T = 1 stages it sits in (the sender's
-// route mask, the lone receive's rows) suggest is several hundred cycles
+// n shuffles in place of MATCH.ANY: at T = 1 the lone receive knows its rows 0.2 us sooner
+// this way (the sender's route mask no sooner)
 __device__ __forceinline__ bool repeats_below(int key, int n) {
   const int lane = threadIdx.x & 31;
   bool rep = false;
