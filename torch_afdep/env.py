@@ -216,15 +216,6 @@ _CONTROLS = (
              "round trip is 2.6% (expert layout) and 1.4% (token layout) shorter; the same "
              "outputs; 0 = MATCH.ANY (__match_any_sync), and a second pass of shuffles for the "
              "lone receive's rows"),
-    _control("AFDEP_EARLY_ADDRESS", 29, 0,
-             "experimental, off by default (not yet run on a GPU): the sender's claim of a lone "
-             "token (AFDEP_LONE_TOKEN, kSmallSend, both layouts) takes each FFN rank's slot "
-             "address from a lane of its warp that worked it out while the ids loaded, instead "
-             "of working it out after the route mask (an indexed parameter load and 64-bit "
-             "arithmetic, about 40 instructions of one warp in front of the token's metadata "
-             "units, which the FFN waits for); in an instantiation of its own (FFN ranks past "
-             "the first 32 as before); needs AFDEP_SHUFFLE_MATCH; the same outputs; 0 = the "
-             "address after the route mask"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -383,6 +374,8 @@ RETIRED: Dict[str, str] = {
     "AFDEP_REPLY_PRELOAD": "removed in session 42: no gain at T = 1 and 2 (+1.2%, -0.4%)",
     "AFDEP_EARLY_COLLECT_EXPERTS": "removed in session 43: the expert layout's collect no "
                                    "shorter (1.7 us at T = 1), +1.1% at T = 1",
+    "AFDEP_EARLY_ADDRESS": "removed in session 44: +1.0% (token layout) and +0.9% (expert "
+                           "layout) at T = 1",
 }
 
 

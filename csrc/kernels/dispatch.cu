@@ -100,14 +100,10 @@ __device__ __forceinline__ uint64_t ffn_bits(bool valid, int f) {
 // 0 in every expert, no shared-memory arrays (s_cnt, s_ecnt, s_slot unused), and the FFN
 // windows from ffn_window (fb unused: no barrier behind the shared table's writes)
 // kShuffle (F_SHUFFLE_MATCH's instantiations): repeated ids by shuffles (repeats_below)
-// kEarlyAddr (F_EARLY_ADDRESS; kLone only): lane f's lane_u holds FFN index f's slot-0 token
-// units (f < 32), worked out by the caller before the ids arrived, so the metadata stores
-// behind the route mask wait for one shuffle instead of the window's address arithmetic
-template <bool kLone = false, bool kShuffle = false, bool kEarlyAddr = false>
+template <bool kLone = false, bool kShuffle = false>
 __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const* fb, int t, int i,
                             bool count_only, int* s_cnt, int* s_ecnt, int* s_slot, int src_idx,
-                            int c, bool pre, long long e_pre, float w_pre, uint32_t llf,
-                            uint64_t* lane_u = nullptr) {
+                            int c, bool pre, long long e_pre, float w_pre, uint32_t llf) {
   const int lane = threadIdx.x & 31;
   long long e = -1;
   float w = 0.f;
@@ -164,19 +160,12 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
       continue;
     }
     if (lane == 0 && !kLone) s_slot[i * L.F + fd] = slot;
-    // kEarlyAddr: no window base ahead of the branch below (its indexed parameter load sat in
-    // front of the shuffle), only where an address is still worked out here
-    char* base = kEarlyAddr ? nullptr : kLone ? ffn_window(L, fd) : fb[fd];
+    char* base = kLone ? ffn_window(L, fd) : fb[fd];
     // the token layout keeps the source's columns: the entry's column instead of its
     // position within the expert
     const int el = e32 - fd * L.El, col = L.tokens ? lane : pos;
     if (llf) {
-      uint64_t* u;
-      if (kEarlyAddr && fd < 32)
-        u = reinterpret_cast<uint64_t*>(
-            __shfl_sync(kFull, reinterpret_cast<unsigned long long>(lane_u), fd));
-      else
-        u = ll_token(L, ll_region(L, kEarlyAddr ? ffn_window(L, fd) : base, src_idx, c), slot);
+      uint64_t* u = ll_token(L, ll_region(L, base, src_idx, c), slot);
       if (lane == 0) {
         st_ll(u, t, llf);
         st_ll(u + 1, nloc, llf);
@@ -189,7 +178,6 @@ __device__ void claim_token(const Layout& L, const DispatchArgs& a, char* const*
       continue;
     }
     const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
-    if (kEarlyAddr) base = kLone ? ffn_window(L, fd) : fb[fd];
     int* meta = reinterpret_cast<int*>(base + L.off_meta) + gslot * L.meta_ints;
     if (lane == 0) {
       meta[0] = t;
@@ -1378,18 +1366,16 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
-// kEarlyAddr (F_EARLY_ADDRESS): lane_u, warp 0's lane f's FFN index f's slot-0 token units
-// (f < 32), worked out by the kernel while the ids and the exchange number load (claim_token)
-template <bool kRaw = false, bool kShuffle = false, bool kEarlyAddr = false>
+template <bool kRaw = false, bool kShuffle = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
-                                const Preload& pre, uint64_t* lane_u = nullptr) {
+                                const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
   const uint32_t llf = ll_flag(n);
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
   if (!kRaw && warp == 0) {
-    claim_token<true, kShuffle, kEarlyAddr>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr,
-                                            src_idx, c, true, pre.e, pre.w, llf, lane_u);
+    claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
+                                c, true, pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
@@ -1408,29 +1394,13 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
   trace_mark(L, kTrSent, kTrMaxSent);
 }
 
-// F_EARLY_ADDRESS: (n | (e + 2)) != 0, the trace's test that the first loads have arrived, in
-// an asm statement, which the compiler does not evaluate ahead of the branch that guards it.
-// Written in C++, ptxas computes the test ahead of that branch (kSmallSend, 78f4155), traced
-// or not, so every warp waits there for the ids' loads, not only for the exchange number's.
-__device__ __forceinline__ bool loads_arrived(uint64_t n, long long e) {
-  uint32_t r;
-  asm volatile(
-      "{\n\t.reg .b64 t;\n\t.reg .pred p;\n\tadd.s64 t, %2, 2;\n\tor.b64 t, t, %1;\n\t"
-      "setp.ne.u64 p, t, 0;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(r)
-      : "l"(n), "l"(e));
-  return r != 0;
-}
-
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 // kSpread (F_SPREAD_CHUNKS; kSmallRecv and kRawRecv only, instantiations of their own):
 // place_rows_ll's chunks warp-major
 // kShuffle (F_SHUFFLE_MATCH; kSmallSend, kUnitExpRecv and kUnitExpFan only, instantiations of
 // their own, so that no other form carries its code): repeated ids by shuffles
-// kEarlyAddr (F_EARLY_ADDRESS; kSmallSend with kShuffle only): the lone token's slot addresses
-// before its claim (send_lone_token), and no wait for the first loads at the trace's test
-template <int kForm, bool kSpread = false, bool kShuffle = false, bool kEarlyAddr = false>
+template <int kForm, bool kSpread = false, bool kShuffle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1451,12 +1421,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
-  // kEarlyAddr: a lone token's slot address at each FFN rank (send_lone_token's src_idx, slot
-  // 0), in its block here, ahead of the first use of a loaded value, so that the warp works it
-  // out while the loads are in flight (in send_lone_token's block ptxas put it behind them)
-  uint64_t* lane_u = nullptr;
-  if (kEarlyAddr && pre.lone && tid < L.F && tid < 32)
-    lane_u = ll_token(L, ll_region(L, ffn_window(L, tid), L.my_index, c), 0);
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
   // instead of two dependent global loads in front of every remote store
   __shared__ char* s_fb[kMaxFfn];
@@ -1472,13 +1436,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   char* mine = own_window(L);
   // traced only: a branch on thread 0's loaded values waits for them, so this stamp splits
   // the claim stage into the loads' latency and the claim's own work (n >= 1: always taken)
-  if constexpr (kEarlyAddr) {
-    if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send && loads_arrived(n, pre.e))
-      trace_mark(L, kTrLoaded, -1);
-  } else if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send &&
-             (n | (uint64_t)(pre.e + 2)) != 0) {
+  if (L.trace != nullptr && tid == 0 && !kRecvOnly && a.do_send &&
+      (n | (uint64_t)(pre.e + 2)) != 0)
     trace_mark(L, kTrLoaded, -1);
-  }
   if (!kSmall && (L.debug & kDbgPrint) && tid == 0 && c == 0)
     printf("afdep-dbg t %llu rank %d %s n %llu T %d\n", (unsigned long long)global_timer_ns(),
            L.rank, a.real_send ? "dispatch" : "receive", (unsigned long long)n, a.T);
@@ -1488,7 +1448,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   }
 
   if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
-    send_lone_token<kForm == kRawSend, kShuffle, kEarlyAddr>(L, a, n, pre, lane_u);
+    send_lone_token<kForm == kRawSend, kShuffle>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
     int* s_ecnt = smem + L.F;          // [E] entries per global expert (positions)
@@ -1728,8 +1688,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend, false, true>, attr, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend, false, true, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kRawRecv>, attr, (int)smem);
   if (e == cudaSuccess)
@@ -1774,10 +1732,7 @@ cudaError_t launch_dispatch(const Layout& L, const DispatchArgs& a, int grid, cu
   const int f = dispatch_form(L, a);
   if (form != nullptr) *form = f;
   switch (f) {
-    case kSmallSend:  // F_EARLY_ADDRESS: its own instantiation, with shuffles only
-      if ((L.flags & F_EARLY_ADDRESS) && (L.flags & F_SHUFFLE_MATCH))
-        return launch_transport_kernel(dispatch_kernel<kSmallSend, false, true, true>, L, a, grid,
-                                       smem, stream);
+    case kSmallSend:
       return launch_shuffling<kSmallSend>(L, a, grid, smem, stream);
     case kRawSend:
       return launch_transport_kernel(dispatch_kernel<kRawSend>, L, a, grid, smem, stream);

@@ -793,11 +793,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("experts", ["AFDEP_EARLY_ADDRESS=1"]),
-    ("tokens", ["AFDEP_EARLY_ADDRESS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "experts-early_address", "tokens-early_address"])
+         "tokens-match_any"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -809,8 +808,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
-    receive's repeated ids by MATCH.ANY); early_address: AFDEP_EARLY_ADDRESS=1, the default
-    forms (the T = 1 claim's slot addresses worked out before it reads the ids)."""
+    receive's repeated ids by MATCH.ANY)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -831,8 +829,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend",
-                "AFDEP_EARLY_ADDRESS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -722,18 +722,6 @@ def test_token_layout_match_any_graphs(layout, dtype_name):
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
-def test_token_layout_early_address_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_EARLY_ADDRESS=1 (experimental): a lone
-    token's claim (kSmallSend's early-address instantiation) takes each FFN rank's slot address
-    from the lane that worked it out before the ids arrived (1A3F: three FFN ranks, three
-    lanes). Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_ADDRESS": "1"}, cap=4,
-                     zero_copy=True, attention_send_form="kSmallSend")
-
-
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
     """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units
     through the generic kernels (every other test of the flagged units runs the small kernel
@@ -750,15 +738,6 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
                                   env={"AFDEP_LL_SMALL": "1"}, timeout=900)
     _check_small(res, dtype_name)
-
-
-def test_token_layout_early_address_sanitizer_small():
-    """test_token_layout_ll_small_sanitizer_small (BF16) with AFDEP_EARLY_ADDRESS=1 under
-    memcheck: the lone token's claim stores through the addresses its lanes worked out early."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_ADDRESS": "1"},
-                                  timeout=900)
-    _check_small(res, "bfloat16")
 
 
 def test_token_layout_spread_chunks_reverted_sanitizer_small():

@@ -59,9 +59,7 @@ namespace afdep {
   X(UNIT_SIGNAL, 26)        /* the reply: a CTA that wrote only flagged row units adds its    \
                                completion count without a system fence */                     \
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
-                               sender's claim and the expert layout's lone receive */         \
-  X(EARLY_ADDRESS, 29)      /* F_LONE_TOKEN's claim: each FFN rank's slot address worked out  \
-                               while the ids load, not after the route mask (experimental) */
+                               sender's claim and the expert layout's lone receive */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
