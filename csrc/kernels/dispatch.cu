@@ -886,13 +886,52 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
+// F_SETTLE_UNITS, load_token_units' wait: the warp polls until the header's two units and
+// every entry below the header's count are fresh, each poll reloading, at once, every unit
+// still stale. Units that land together are then seen one load latency after the last lands,
+// where spinning on each in turn (header, then id, weight, column) costs a latency for each
+// one whose first load was stale. Entries from the header's count on are never written: they
+// are polled only until the header is seen. uh, ue, uw, uc: the units' first loads.
+__device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
+                                                   uint32_t llf, uint64_t deadline, int sr,
+                                                   uint64_t uh, uint64_t ue, uint64_t uw,
+                                                   uint64_t uc, int& tok, int& nloc, int& el,
+                                                   int& wi, int& col) {
+  const int lane = threadIdx.x & 31;
+  int nl = -1;  // the header's entry count, once both its units are fresh
+  uint32_t spins = 0;
+  while (true) {
+    const bool hf = lane >= 2 || ll_fresh(uh, llf);
+    if (nl < 0 && __all_sync(kFull, hf))
+      nl = min(max(__shfl_sync(kFull, (int)(uint32_t)uh, 1), 0), L.R);
+    const bool need = lane < L.R && (nl < 0 || lane < nl);
+    const bool ef = !need || (ll_fresh(ue, llf) && ll_fresh(uw, llf) && ll_fresh(uc, llf));
+    if (__all_sync(kFull, hf && ef)) break;
+    int quit = 0;  // lane 0 counts the spins and reports; every lane gives up with it
+    if (lane == 0) quit = ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank);
+    if (__shfl_sync(kFull, quit, 0)) return false;
+    if (!hf) uh = ld_ll(u + lane);
+    if (need && !ll_fresh(ue, llf)) ue = ld_ll(u + 2 + lane);
+    if (need && !ll_fresh(uw, llf)) uw = ld_ll(u + 2 + L.R + lane);
+    if (need && !ll_fresh(uc, llf)) uc = ld_ll(u + 2 + 2 * L.R + lane);
+  }
+  tok = __shfl_sync(kFull, (int)(uint32_t)uh, 0);
+  nloc = nl;
+  const bool mine = lane < nl;
+  el = mine ? (int)(uint32_t)ue : -1;
+  wi = mine ? (int)(uint32_t)uw : 0;
+  col = mine ? (int)(uint32_t)uc : -1;
+  return true;
+}
+
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
 // every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
 // -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
 // at the deadline (reported), in every lane.
 // Each unit is spun on in turn (the header, then each lane's id, weight and column), so a unit
 // that landed while an earlier one was spun on costs a load latency all the same (its first
-// load was stale).
+// load was stale). kSettle (F_SETTLE_UNITS): settle_token_units instead.
+template <bool kSettle = false>
 __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, int& tok, int& nloc,
                                                  int& el, int& wi, int& col) {
@@ -904,6 +943,8 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
     uw = ld_ll(u + 2 + L.R + lane);
     uc = ld_ll(u + 2 + 2 * L.R + lane);
   }
+  if constexpr (kSettle)
+    return settle_token_units(L, u, llf, deadline, sr, uh, ue, uw, uc, tok, nloc, el, wi, col);
   bool ok = true;
   constexpr int ph = kPhaseDispatch;
   if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
@@ -964,7 +1005,8 @@ __device__ __forceinline__ bool load_raw_units(const Layout& L, const uint64_t* 
 // slot-major (j, region): the order in which rows land when each row has its own flag.
 // booked: every region's arrays are already written (the small receive books each region as
 // its wait ends) and published by a barrier.
-template <int kForm, bool kSpread = false>
+// kSettle (F_SETTLE_UNITS; kSmallRecv's spread instantiation only): settle_token_units
+template <int kForm, bool kSpread = false, bool kSettle = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem, bool booked) {
   constexpr bool kSmall = kForm != kGeneric;
@@ -1012,7 +1054,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       // kRawRecv: the region's one token came from a lone sender CTA, with raw metadata
       if (kForm == kRawRecv && s_ahead[g] == kAheadRaw) {
         if (!load_raw_units(L, ut, llf, deadline, sr, tok, el, wi, col)) return;
-      } else if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, col)) {
+      } else if (!load_token_units<kSettle>(L, ut, llf, deadline, sr, tok, nloc, el, wi, col)) {
         return;
       }
       // traced only: thread 0's first row (at T = 1 the token's), its metadata units seen
@@ -1187,7 +1229,8 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
 // r's row; the warp loads its chunk's units once and stores each vector into every row of the
 // token (kUnitExpRecv's warps of a token's R entries each loaded the chunk and the token's
 // metadata units again), and the chunks go one warp to a CTA (grid_warp's spread mapping)
-template <bool kFan = false, bool kShuffle = false>
+// kSettle (F_SETTLE_UNITS; kUnitExpRecv's shuffle instantiation only): settle_token_units
+template <bool kFan = false, bool kShuffle = false, bool kSettle = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1227,7 +1270,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       if (!s_form[g] || j >= s_cnt[g]) continue;
       const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
       int tok, nloc, el, wi, pos;
-      ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
+      ok = load_token_units<kSettle>(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
                             L.rank_of_attn[ai], tok, nloc, el, wi, pos);
       if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
         atomicMax(&s_tab[g * El + el], pos + 1);
@@ -1271,7 +1314,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    if (!load_token_units<kSettle>(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     // traced only: thread 0's first unit (at T = 1 the token's), its metadata units seen; in
     // the lone path before the offsets, which follow from them
     if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
@@ -1400,7 +1443,9 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // place_rows_ll's chunks warp-major
 // kShuffle (F_SHUFFLE_MATCH; kSmallSend, kUnitExpRecv and kUnitExpFan only, instantiations of
 // their own, so that no other form carries its code): repeated ids by shuffles
-template <int kForm, bool kSpread = false, bool kShuffle = false>
+// kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread and kUnitExpRecv with kShuffle only): a
+// token's metadata units polled together (settle_token_units)
+template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1607,9 +1652,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
       if (form_unit_exp(kForm))
-        expand_units<kForm == kUnitExpFan, kShuffle>(L, a, n, deadline, smem);
+        expand_units<kForm == kUnitExpFan, kShuffle, kSettle>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
-        place_tokens<kForm, kSpread>(L, a, n, deadline, smem, booked);
+        place_tokens<kForm, kSpread, kSettle>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
     }
   }
@@ -1695,11 +1740,15 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true, false, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true>, attr, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan, false, true>, attr, (int)smem);
@@ -1709,18 +1758,26 @@ cudaError_t dispatch_prepare(const Layout& L) {
 
 // F_SPREAD_CHUNKS: a receive form that places rows from their units, in its spread
 // instantiation (place_rows_ll's chunks warp-major)
+// (F_SETTLE_UNITS: kSmallRecv's spread instantiation with settled metadata units)
 template <int kForm>
 cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
                               cudaStream_t stream) {
+  if (kForm == kSmallRecv && (L.flags & F_SPREAD_CHUNKS) && (L.flags & F_SETTLE_UNITS))
+    return launch_transport_kernel(dispatch_kernel<kSmallRecv, true, false, true>, L, a, grid,
+                                   smem, stream);
   return (L.flags & F_SPREAD_CHUNKS)
              ? launch_transport_kernel(dispatch_kernel<kForm, true>, L, a, grid, smem, stream)
              : launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);
 }
 
 // F_SHUFFLE_MATCH: a form that finds repeated ids, in its shuffle instantiation
+// (F_SETTLE_UNITS: kUnitExpRecv's shuffle instantiation with settled metadata units)
 template <int kForm>
 cudaError_t launch_shuffling(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
                              cudaStream_t stream) {
+  if (kForm == kUnitExpRecv && (L.flags & F_SHUFFLE_MATCH) && (L.flags & F_SETTLE_UNITS))
+    return launch_transport_kernel(dispatch_kernel<kUnitExpRecv, false, true, true>, L, a, grid,
+                                   smem, stream);
   if (L.flags & F_SHUFFLE_MATCH)
     return launch_transport_kernel(dispatch_kernel<kForm, false, true>, L, a, grid, smem, stream);
   return launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);

@@ -721,6 +721,18 @@ def test_token_layout_match_any_graphs(layout, dtype_name):
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
+                                               ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
+def test_token_layout_settle_units_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_SETTLE_UNITS=1 (experimental): the
+    receive of flagged units (kSmallRecv's spread instantiation with settled units) polls each
+    token's metadata units together (3A1F: one receive takes three sources' tokens). Every row
+    exact, hostile ids reported."""
+    run_token_graphs(layout, dtype_name,
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "1"}, cap=4,
+                     zero_copy=True, attention_send_form="kSmallSend")
+
+
+@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
     """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units
@@ -738,6 +750,15 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, dtype_name, 10, 4, True,
                                   env={"AFDEP_LL_SMALL": "1"}, timeout=900)
     _check_small(res, dtype_name)
+
+
+def test_token_layout_settle_units_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small (BF16) with AFDEP_SETTLE_UNITS=1 under
+    memcheck: the receive's poll of a token's metadata units, all of them at once."""
+    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
+                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "1"},
+                                  timeout=900)
+    _check_small(res, "bfloat16")
 
 
 def test_token_layout_spread_chunks_reverted_sanitizer_small():

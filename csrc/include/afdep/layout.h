@@ -59,7 +59,9 @@ namespace afdep {
   X(UNIT_SIGNAL, 26)        /* the reply: a CTA that wrote only flagged row units adds its    \
                                completion count without a system fence */                     \
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
-                               sender's claim and the expert layout's lone receive */
+                               sender's claim and the expert layout's lone receive */         \
+  X(SETTLE_UNITS, 29)       /* the receive of flagged units polls a token's metadata units    \
+                               together, not one after another (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
