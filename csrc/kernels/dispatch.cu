@@ -886,12 +886,14 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
-// F_SETTLE_UNITS, load_token_units' wait: the warp polls until the header's two units and
+// F_SETTLE_UNITS (the token layout's receive), load_token_units' wait: the warp polls until the header's two units and
 // every entry below the header's count are fresh, each poll reloading, at once, every unit
 // still stale. Units that land together are then seen one load latency after the last lands,
 // where spinning on each in turn (header, then id, weight, column) costs a latency for each
 // one whose first load was stale. Entries from the header's count on are never written: they
-// are polled only until the header is seen. uh, ue, uw, uc: the units' first loads.
+// are polled only until the header is seen. uh, ue, uw, uc: the units' first loads. Not in the
+// expert layout's receive, where every warp of a token's entries and chunks polls the same
+// units: there it was slower (+0.8% at T = 1, +1.5% at T = 24; one H100, 3bc31e9).
 __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
                                                    uint32_t llf, uint64_t deadline, int sr,
                                                    uint64_t uh, uint64_t ue, uint64_t uw,
@@ -902,8 +904,9 @@ __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64
   uint32_t spins = 0;
   while (true) {
     const bool hf = lane >= 2 || ll_fresh(uh, llf);
-    if (nl < 0 && __all_sync(kFull, hf))
-      nl = min(max(__shfl_sync(kFull, (int)(uint32_t)uh, 1), 0), L.R);
+    if (nl < 0) {  // (nl is the warp's: every lane takes this branch alike)
+      if (__all_sync(kFull, hf)) nl = min(max(__shfl_sync(kFull, (int)(uint32_t)uh, 1), 0), L.R);
+    }
     const bool need = lane < L.R && (nl < 0 || lane < nl);
     const bool ef = !need || (ll_fresh(ue, llf) && ll_fresh(uw, llf) && ll_fresh(uc, llf));
     if (__all_sync(kFull, hf && ef)) break;
@@ -1229,8 +1232,7 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
 // r's row; the warp loads its chunk's units once and stores each vector into every row of the
 // token (kUnitExpRecv's warps of a token's R entries each loaded the chunk and the token's
 // metadata units again), and the chunks go one warp to a CTA (grid_warp's spread mapping)
-// kSettle (F_SETTLE_UNITS; kUnitExpRecv's shuffle instantiation only): settle_token_units
-template <bool kFan = false, bool kShuffle = false, bool kSettle = false>
+template <bool kFan = false, bool kShuffle = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
@@ -1270,7 +1272,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       if (!s_form[g] || j >= s_cnt[g]) continue;
       const int ai = fast_div(g, L.div_S), ch = g - ai * L.S;
       int tok, nloc, el, wi, pos;
-      ok = load_token_units<kSettle>(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
+      ok = load_token_units(L, ll_token(L, ll_region(L, mine, ai, ch), j), llf, deadline,
                             L.rank_of_attn[ai], tok, nloc, el, wi, pos);
       if (ok && lane < nloc && el >= 0 && el < El && pos >= 0 && pos < stride)
         atomicMax(&s_tab[g * El + el], pos + 1);
@@ -1314,7 +1316,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (!load_token_units<kSettle>(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
+    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     // traced only: thread 0's first unit (at T = 1 the token's), its metadata units seen; in
     // the lone path before the offsets, which follow from them
     if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
@@ -1443,8 +1445,8 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // place_rows_ll's chunks warp-major
 // kShuffle (F_SHUFFLE_MATCH; kSmallSend, kUnitExpRecv and kUnitExpFan only, instantiations of
 // their own, so that no other form carries its code): repeated ids by shuffles
-// kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread and kUnitExpRecv with kShuffle only): a
-// token's metadata units polled together (settle_token_units)
+// kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread only, the token layout): a token's metadata
+// units polled together (settle_token_units)
 template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
@@ -1652,7 +1654,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
       if (form_unit_exp(kForm))
-        expand_units<kForm == kUnitExpFan, kShuffle, kSettle>(L, a, n, deadline, smem);
+        expand_units<kForm == kUnitExpFan, kShuffle>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm, kSpread, kSettle>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1747,8 +1749,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true>, attr, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true, true>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan, false, true>, attr, (int)smem);
@@ -1771,13 +1771,9 @@ cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, 
 }
 
 // F_SHUFFLE_MATCH: a form that finds repeated ids, in its shuffle instantiation
-// (F_SETTLE_UNITS: kUnitExpRecv's shuffle instantiation with settled metadata units)
 template <int kForm>
 cudaError_t launch_shuffling(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
                              cudaStream_t stream) {
-  if (kForm == kUnitExpRecv && (L.flags & F_SHUFFLE_MATCH) && (L.flags & F_SETTLE_UNITS))
-    return launch_transport_kernel(dispatch_kernel<kUnitExpRecv, false, true, true>, L, a, grid,
-                                   smem, stream);
   if (L.flags & F_SHUFFLE_MATCH)
     return launch_transport_kernel(dispatch_kernel<kForm, false, true>, L, a, grid, smem, stream);
   return launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);

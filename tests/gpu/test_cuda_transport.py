@@ -34,7 +34,6 @@ STREAM = {"AFDEP_STREAM_EXPANSION": "1"}  # the default: per-row flags, expansio
 NO_PDL = {"AFDEP_PDL": "0"}
 NO_ONE_FENCE = {"AFDEP_ONE_FENCE": "0"}
 NO_EARLY = {"AFDEP_EARLY_LOADS": "0"}
-SETTLE = {"AFDEP_SETTLE_UNITS": "1"}
 PREVIOUS = devices.PREVIOUS_DEFAULTS
 
 # layout name -> (F, A, device of each group rank, num_experts); rank r on GPU r % n_gpus
@@ -134,18 +133,16 @@ def test_eager_symmetric(layout, cap, hidden, dtype):
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_PDL), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_PDL),
     ("AFDEP_TEST_REPLY_DELAY_MS", NO_ONE_FENCE), ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_ONE_FENCE),
     ("AFDEP_TEST_REPLY_DELAY_MS", PREVIOUS), ("AFDEP_TEST_REPLY_DELAY_MS", NO_EARLY),
-    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY), ("AFDEP_TEST_DISPATCH_DELAY_MS", SETTLE)],
+    ("AFDEP_TEST_DISPATCH_DELAY_MS", NO_EARLY)],
     ids=["reply-role_aware", "reply-symmetric", "dispatch-role_aware", "dispatch-symmetric",
          "reply-no_pdl", "dispatch-no_pdl",
          "reply-no_one_fence", "dispatch-no_one_fence", "reply-previous", "reply-no_early_loads",
-         "dispatch-no_early_loads", "dispatch-settle_units"])
+         "dispatch-no_early_loads"])
 def test_receiver_never_reads_the_previous_exchange(delay, env):
     """Regression (2 x H200, 2026-11-30): with the sender 20 ms late, a receiver spinning on
     its signal read the previous exchange's rows (the 5th exchange of this plan returned the
     4th's result for all 128 tokens), in the role-aware and the symmetric protocol alike. Every
-    reading thread now fences after its CTA's wait (kernels/common.cuh sys_fence_after_wait).
-    settle_units: AFDEP_SETTLE_UNITS=1 (experimental), whose bucket-8 receive (kUnitExpRecv)
-    polls each token's metadata units together while the sender is late."""
+    reading thread now fences after its CTA's wait (kernels/common.cuh sys_fence_after_wait)."""
     kw = cfg_kw("1A1F", 128, 7168, "float8_e4m3fn")
     run("1A1F", kw, tokens_plan(1, 128), env={**env, delay: "20"})
 
@@ -435,15 +432,6 @@ def test_ll_experts_sanitizer_small(dtype):
     run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (64, [64], "random"),
                      (8, [1], "skewed"), (48, [33], "random"), (24, [0], "random")], env=LLX,
         seed=23)
-
-
-def test_settle_units_sanitizer_small():
-    """test_ll_experts_sanitizer_small's BF16 exchanges with AFDEP_SETTLE_UNITS=1 under
-    memcheck: the units receive (kUnitExpRecv, and at bucket 8 with one token in all its lone
-    path) polls each token's metadata units together."""
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(24, [7], "partial"), (24, [24], "random"), (8, [1], "skewed"),
-                     (24, [0], "random")], env={**LLX, **SETTLE}, seed=29)
 
 
 # AFDEP_LONE_EXPAND (on by default): the expert layout's units receive where one token arrived
@@ -805,11 +793,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("experts", ["AFDEP_SETTLE_UNITS=1"]),
-    ("tokens", ["AFDEP_SETTLE_UNITS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "experts-settle_units", "tokens-settle_units"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -821,8 +808,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     AFDEP_FANOUT_EXPAND=1, the T = 1 receive in kUnitExpFan (stamped as kUnitExpRecv);
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
-    receive's repeated ids by MATCH.ANY); settle_units: AFDEP_SETTLE_UNITS=1, the default forms
-    (the receive's metadata units polled together)."""
+    receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
+    default forms (the token layout's receive spinning on each metadata unit in turn)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -843,7 +830,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -188,11 +188,15 @@ def _check_errors(buf):
 
 def _eager_exchange(buf, cfg, inputs, bucket, out, tag):
     """One exchange through the Buffer API with the given inputs of every Attention index."""
+    from torch_afdep import env as afdep_env
     from torch_afdep import reference as ref
 
     dev = buf.device if hasattr(buf, "device") else devices.world_device()
     if buf.role == "attention":
         inp = inputs[buf.role_index]
+        delay_ms = float(afdep_env.get("AFDEP_TEST_DISPATCH_DELAY_MS"))
+        if delay_ms and dev.type == "cuda":  # a late sender (stream order kept; ~2 GHz clock)
+            torch.cuda._sleep(int(delay_ms * 2e6))
         buf.source_dispatch(inp.x.to(dev), inp.expert_ids.to(dev), inp.weights.to(dev), bucket,
                             None if inp.x_scales is None else inp.x_scales.to(dev))
         got = buf.source_collect()
@@ -722,14 +726,29 @@ def test_token_layout_match_any_graphs(layout, dtype_name):
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
-def test_token_layout_settle_units_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_SETTLE_UNITS=1 (experimental): the
-    receive of flagged units (kSmallRecv's spread instantiation with settled units) polls each
-    token's metadata units together (3A1F: one receive takes three sources' tokens). Every row
-    exact, hostile ids reported."""
+def test_token_layout_spin_each_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_SETTLE_UNITS=0 (on by default): the
+    receive of flagged units (kSmallRecv's spread instantiation without settled units) spins on
+    each of a token's metadata units in turn (3A1F: one receive takes three sources' tokens).
+    Every row exact, hostile ids reported."""
     run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "1"}, cap=4,
-                     zero_copy=True, attention_send_form="kSmallSend")
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "0"}, cap=4,
+                     zero_copy=True, attention_send_form="kSmallSend",
+                     ffn_receive_form="kSmallRecv")
+
+
+@pytest.mark.parametrize("layout,settle", [("1A1F", "1"), ("3A1F", "1"), ("1A1F", "0")],
+                         ids=["1A1F", "3A1F", "1A1F-spin_each"])
+def test_token_layout_delayed_sender(layout, settle):
+    """Regression guard for the receive of flagged units: every eager dispatch waits 20 ms on
+    the GPU first (AFDEP_TEST_DISPATCH_DELAY_MS), so the FFN's receive polls the token's
+    stale metadata units from the previous exchange that long (AFDEP_SETTLE_UNITS, on by
+    default: all of them at once; spin_each: each in turn) and must take only the new ones.
+    Every row exact, then the graphs' 100 checked replays."""
+    run_token_graphs(layout, "bfloat16",
+                     env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": settle,
+                          "AFDEP_TEST_DISPATCH_DELAY_MS": "20"}, cap=4, zero_copy=True,
+                     attention_send_form="kSmallSend", ffn_receive_form="kSmallRecv")
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
@@ -752,11 +771,11 @@ def test_token_layout_ll_small_sanitizer_small(dtype_name):
     _check_small(res, dtype_name)
 
 
-def test_token_layout_settle_units_sanitizer_small():
-    """test_token_layout_ll_small_sanitizer_small (BF16) with AFDEP_SETTLE_UNITS=1 under
-    memcheck: the receive's poll of a token's metadata units, all of them at once."""
+def test_token_layout_spin_each_sanitizer_small():
+    """test_token_layout_ll_small_sanitizer_small (BF16) with AFDEP_SETTLE_UNITS=0 (that test
+    runs the default, settled) under memcheck: the receive spinning on each metadata unit."""
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "1"},
+                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "0"},
                                   timeout=900)
     _check_small(res, "bfloat16")
 
