@@ -1230,8 +1230,9 @@ __device__ __forceinline__ int* lead_slots() {
 }
 
 // F_LEAD_POLL (kUnitExpRecv, one token in all): load_token_units' outputs, where only warp 0
-// of each CTA (`lead`) polls the token's metadata units in global memory and shares them
-// through lead_slots(); the CTA's other warps wait for its flag in shared memory. Why: at
+// of each CTA, on its first unit (`lead`), polls the token's metadata units in global memory
+// and shares them through lead_slots(); the CTA's other warps, and warp 0's later units, wait
+// for its flag in shared memory. Why: at
 // T = 1 every warp of the token's (entry, chunk) units polls the same few lines (256 warps on
 // 16 CTAs at H 4,096), and polling them harder was slower (AFDEP_SETTLE_UNITS in this
 // receive: +0.8% at T = 1). False at the deadline (reported) or where the lead warp gave up.
@@ -1241,7 +1242,7 @@ __device__ __forceinline__ bool lead_token_units(const Layout& L, const uint64_t
   const int lane = threadIdx.x & 31;
   int* s = lead_slots();
   volatile int* vs = s;
-  if (lead && vs[0] != (int)llf) {  // (the lead's later units find it published)
+  if (lead) {  // (a register, the same in every lane: warp 0's first unit)
     const bool ok = load_token_units(L, u, llf, deadline, sr, tok, nloc, el, wi, col);
     s[4 + lane] = el;
     s[36 + lane] = wi;
@@ -1302,6 +1303,9 @@ __device__ __forceinline__ bool lead_token_units(const Layout& L, const uint64_t
 template <bool kFan = false, bool kShuffle = false, bool kLead = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
+  // a CTA's unit warps must be its first ones (unspread), so that warp 0 leads wherever a
+  // CTA holds a unit; kFan spreads them over the CTAs
+  static_assert(!(kLead && kFan), "F_LEAD_POLL needs the unspread mapping");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
   char* mine = own_window(L);
   const int nreg = L.A * L.S, El = L.El, stride = a.stride;
@@ -1384,7 +1388,9 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     }
     int tok, nloc, el, wi, pos;
     if (kLead && lone >= 0) {  // every unit is the lone token's: warp 0 of the CTA polls
-      if (!lead_token_units(L, ut, llf, deadline, sr, warp == 0, tok, nloc, el, wi, pos)) return;
+      if (!lead_token_units(L, ut, llf, deadline, sr, warp == 0 && u == gw, tok, nloc, el, wi,
+                            pos))
+        return;
     } else if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) {
       return;
     }
@@ -1803,8 +1809,9 @@ int dispatch_form(const Layout& L, const DispatchArgs& a) {
 }
 
 cudaError_t dispatch_prepare(const Layout& L) {
+  // every instantiation, whatever the size: without the attribute a block's dynamic and
+  // static shared memory together must fit 48 KB, and the static arrays take up to 5.8 KB
   const size_t smem = dispatch_smem_bytes(L);
-  if (smem <= 48 * 1024) return cudaSuccess;
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kGeneric>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kSmallSend>, attr, (int)smem);
