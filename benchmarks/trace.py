@@ -29,6 +29,10 @@ show what the same stages cost with the kernels' code and data just used. The ev
 then brackets all K; the start stamp's line belongs to position 0, the end stamp's to the last,
 and the outside-kernel line is left out.
 
+``--compare A.json B.json ...`` runs nothing: it prints the stage medians of saved ``--out``
+files side by side (per arm and token count of the first file; a stage's median over a file's
+repeats), the way a control's trace is read against the defaults'. No GPU needed.
+
 ``--stand-in none`` drops the FFN's stand-in expert (``benchmarks.run``'s copy kernel, which
 every arm runs between receive and reply): the reply sends a fixed tensor, so "F gap: receive
 end -> reply start" is the launch gap between the transport's own kernels, and the difference
@@ -371,8 +375,54 @@ def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
                       for r in rows))
 
 
+def compare(docs: List[Dict[str, Any]], labels: List[str]) -> str:
+    """Stage medians of saved runs side by side: for each arm, token count and position of
+    the first run (``docs``: ``--out`` files' contents), one line per stage, one column per
+    run (its median over the run's repeats; "-" where the run lacks the stage or the row).
+    ``labels`` name the columns in a legend above the tables."""
+    lines = [f"[{i + 1}] {label}" for i, label in enumerate(labels)]
+    known = [n for n, _, _ in STAGES]
+
+    def rows_of(doc, arm):
+        return [row for rep in doc.get("results", {}).get(arm, []) for row in rep]
+
+    for arm in docs[0].get("results", {}):
+        keys = list(dict.fromkeys((r["tokens"], r.get("position", 0))
+                                  for r in rows_of(docs[0], arm)))
+        for tokens, pos in keys:
+            cols = []
+            for doc in docs:
+                same = [r for r in rows_of(doc, arm)
+                        if r["tokens"] == tokens and r.get("position", 0) == pos]
+                stages: Dict[str, List[float]] = {}
+                for r in same:
+                    for name, v in r["stages_us"].items():
+                        stages.setdefault(name, []).append(v)
+                cols.append({n: statistics.median(v) for n, v in stages.items()})
+            seen = list(dict.fromkeys(n for c in cols for n in c))
+            names = sorted(seen, key=lambda n: (known.index(n) if n in known
+                                                else len(known) + seen.index(n)))
+            where = f", exchange position {pos}" if pos else ""
+            lines.append(f"\n== {arm}, T={tokens}{where} (median µs)")
+            lines.append(f"{'stage':62s}" + "".join(f"{'[' + str(i + 1) + ']':>8s}"
+                                                    for i in range(len(docs))))
+            for n in names:
+                lines.append(f"{n:62s}" + "".join(
+                    f"{c[n]:8.2f}" if n in c else f"{'-':>8s}" for c in cols))
+    return "\n".join(lines)
+
+
+def _label(path: str, doc: Dict[str, Any]) -> str:
+    args = doc.get("args", {})
+    env = " ".join(args.get("afdep_env") or [])
+    return (f"{path}: commit {doc.get('commit', '?')}, {doc.get('machine', '?')}, "
+            f"{args.get('receive_layout', '?')} layout" + (f", {env}" if env else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                   help="print saved --out files' stage medians side by side and exit")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 2048])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
@@ -400,6 +450,18 @@ def main(argv=None) -> int:
                         "then the transport kernels' own launch gap)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.compare:
+        import json
+
+        docs = []
+        for path in args.compare:
+            try:
+                with open(path) as f:
+                    docs.append(json.load(f))
+            except (OSError, ValueError) as e:
+                p.error(f"--compare: cannot read {path}: {e}")
+        print(compare(docs, [_label(path, d) for path, d in zip(args.compare, docs)]))
+        return 0
     afdep_env = common.parse_afdep_env(p, args.afdep_env)  # the same rules as benchmarks.run
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")

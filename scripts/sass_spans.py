@@ -9,7 +9,7 @@ about 0.2 us off each stage).
 
 Usage:
     python scripts/sass_spans.py [--so torch_afdep/_cuda*.so] [--cuobjdump PATH] [--sass FILE]
-        [--resources FILE] [--kernel NAME]
+        [--resources FILE] [--kernel NAME] [--against OLD_SASS]
 Prints, per kernel: its code bytes, its integer divisions by a run-time value (each starts
 with an `I2F.RP` or `I2F.U32.RP`, the reciprocal's seed; the small-T forms should have none,
 docs/protocol.md), and each %globaltimer read (the trace stamps, the deadlines) with its offset
@@ -18,6 +18,12 @@ extension (or --resources, a saved `cuobjdump --dump-resource-usage` listing) it
 each kernel's registers a thread and stack bytes: on a GPU that ranks share, whether one rank's
 CTA still fits on an SM beside another's depends on them (65,536 registers an SM). --sass reads
 a saved `cuobjdump -sass` listing instead of running it.
+
+--against OLD_SASS (a saved `cuobjdump -sass` listing of another build, e.g. the commit before
+a change) prints instead, per kernel instantiation, whether its instructions are OLD's
+instruction for instruction (SAME), differ (DIFF), or exist in one listing only (NEW, GONE),
+with both instruction counts: how a change that adds an instantiation of its own shows that
+every other one is untouched.
 
 cuobjdump: --cuobjdump, $CUOBJDUMP, PATH, or /usr/local/cuda/bin. A machine with nvcc but no
 cuobjdump (this workplace's CPU machines) can take NVIDIA's from PyPI:
@@ -136,6 +142,24 @@ def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
     return {"bytes": size, "divisions": divisions, "stamps": stamps}
 
 
+def compare(old: Dict[str, List[Tuple[int, str]]],
+            new: Dict[str, List[Tuple[int, str]]]) -> List[Tuple[str, str, int, int]]:
+    """(status, short name, old instruction count, new count) per kernel instantiation, by
+    short_name (the file hash in the mangled name changes between builds): "SAME" where the
+    instructions are equal one for one (their offsets aside), else "DIFF"; "NEW" / "GONE" for
+    one listing's only (count 0 in the other). The new listing's order, then the gone ones."""
+    a = {short_name(k): [ins for _, ins in v] for k, v in old.items()}
+    b = {short_name(k): [ins for _, ins in v] for k, v in new.items()}
+    out = []
+    for name, insns in b.items():
+        if name not in a:
+            out.append(("NEW", name, 0, len(insns)))
+        else:
+            out.append(("SAME" if a[name] == insns else "DIFF", name, len(a[name]), len(insns)))
+    out += [("GONE", name, len(insns), 0) for name, insns in a.items() if name not in b]
+    return out
+
+
 def _cuobjdump(explicit: Optional[str]) -> str:
     for c in (explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
               "/usr/local/cuda/bin/cuobjdump"):
@@ -159,6 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="a saved cuobjdump --dump-resource-usage listing (with --sass)")
     p.add_argument("--kernel", default=None,
                    help="only kernels whose name (with its form's, e.g. kSmallRecv) contains this")
+    p.add_argument("--against", default=None, metavar="OLD_SASS",
+                   help="compare each instantiation with a saved cuobjdump -sass listing")
     args = p.parse_args(argv)
     res_text = ""
     if args.resources:
@@ -182,11 +208,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not kernels:
         raise SystemExit("no kernels in the listing")
     forms = form_names()
-    for name, insns in kernels.items():
-        short = short_name(name)
+
+    def named(short: str) -> str:  # with the form's name (KernelForm, afdep/forms.h)
         form = re.search(r"<(\d+)(?:, (?:true|false))*>$", short)
-        if form and int(form.group(1)) in forms:  # the form's name (KernelForm, afdep/forms.h)
-            short = f"{short} {forms[int(form.group(1))]}"
+        return f"{short} {forms[int(form.group(1))]}" if form and int(form.group(1)) in forms \
+            else short
+
+    if args.against:
+        with open(args.against) as f:
+            old = parse_sass(f.read())
+        rows = [r for r in compare(old, kernels) if not args.kernel or args.kernel in named(r[1])]
+        for status, short, n_old, n_new in rows:
+            print(f"{status:4s} {named(short)}: {n_old} -> {n_new} instructions")
+        counts = collections.Counter(r[0] for r in rows)
+        print(", ".join(f"{k} {counts[k]}" for k in ("SAME", "DIFF", "NEW", "GONE")))
+        return 0
+    for name, insns in kernels.items():
+        short = named(short_name(name))
         if args.kernel and args.kernel not in short:
             continue
         s = spans(insns)

@@ -205,6 +205,43 @@ def test_bad_arguments_fail_before_any_gpu_work(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
+def test_compare_prints_saved_runs_side_by_side(tmp_path, capsys):
+    """--compare (no GPU): per arm and token count of the first file, each stage's median over
+    a file's repeats in its own column, "-" where a file lacks the stage or the row; a legend
+    names each file with its commit and the afdep arm's controls."""
+    import json
+
+    a_stage = "A dispatch kernel (start -> last CTA end)"
+    b_stage = "F expansion (ready -> last CTA end)"
+
+    def row(tokens, stages):
+        return {"tokens": tokens, "position": 0, "stages_us": stages}
+
+    first = {"args": {"receive_layout": "tokens", "afdep_env": []}, "commit": "aaa",
+             "machine": "m", "results": {"afdep": [[row(1, {a_stage: 2.0, b_stage: 1.5}),
+                                                    row(32, {a_stage: 3.0})]]}}
+    # two repeats: the median of 2.0 and 3.0 is 2.5; no T = 32 row
+    second = {"args": {"receive_layout": "tokens", "afdep_env": ["AFDEP_X=1"]},
+              "commit": "bbb", "machine": "m",
+              "results": {"afdep": [[row(1, {a_stage: 2.0})], [row(1, {a_stage: 3.0})]]}}
+    paths = []
+    for name, doc in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        paths.append(str(tmp_path / name))
+    assert trace.main(["--compare", *paths]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("a.json: commit aaa, m, tokens layout"), out[0]
+    assert out[1].endswith("b.json: commit bbb, m, tokens layout, AFDEP_X=1"), out[1]
+    lines = {line[:62].rstrip(): line[62:].split() for line in out if line[:62].strip()}
+    assert out.index("== afdep, T=1 (median µs)") < out.index("== afdep, T=32 (median µs)")
+    t1 = out[out.index("== afdep, T=1 (median µs)"):out.index("== afdep, T=32 (median µs)")]
+    t1 = {line[:62].rstrip(): line[62:].split() for line in t1[2:] if line.strip()}
+    assert t1 == {a_stage: ["2.00", "2.50"], b_stage: ["1.50", "-"]}, t1
+    assert lines[a_stage] == ["3.00", "-"]  # T = 32 (the later line of the same stage)
+    with pytest.raises(SystemExit):
+        trace.main(["--compare", str(tmp_path / "absent.json")])
+    assert "--compare: cannot read" in capsys.readouterr().err
+
 
 def test_points_match_the_cuda_extension():
     """trace.py's point indices cover the kernels' kTracePts (exported as TRACE_POINTS)."""

@@ -127,3 +127,33 @@ def test_form_names_come_from_the_kernels_enum(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("dispatch_kernel<2> kSmallRecv: 176 bytes of code"), out[0]
     assert not any("stamp_kernel" in line for line in out)
+
+
+def test_against_an_old_listing_names_each_instantiation(tmp_path, capsys):
+    """--against: per instantiation SAME (instructions equal one for one, offsets and the file
+    hash in the mangled name aside), DIFF, NEW or GONE, then the counts of each."""
+    tool = _tool()
+    old_text = LISTING.replace("dispatch_kernelENS_6", "dispatch_kernelILi2ELb1EEEvNS_6")
+    # the new build: another file hash, the dispatch form changed by one instruction, the
+    # stamp kernel as before, and a ping kernel the old one lacked
+    ping = ("\t\tFunction : _ZN5afdep40_GLOBAL__N__d9fbcfff_8_probe_cu_2b8747a611ping_kernelEPm\n"
+            "        /*0000*/                   CS2R R3, SR_GLOBALTIMERLO ;\n"
+            "        /*0010*/                   EXIT ;\n")
+    new_text = (old_text.replace("359a11ab", "0badf00d")
+                .replace("IADD3 R0, R1, 0x1, RZ", "IADD3 R0, R1, 0x2, RZ") + ping)
+    old, new = tool.parse_sass(old_text), tool.parse_sass(new_text)
+    rows = tool.compare(old, new)
+    assert rows == [("DIFF", "dispatch_kernel<2, true>", 11, 11), ("SAME", "stamp_kernel", 2, 2),
+                    ("NEW", "ping_kernel", 0, 2)], rows
+    assert tool.compare(new, old)[-1] == ("GONE", "ping_kernel", 2, 0)
+    assert tool.compare(old, old) == [("SAME", n, c, c) for _, n, c, _ in tool.compare(old, old)]
+    f_old, f_new = tmp_path / "old.txt", tmp_path / "new.txt"
+    f_old.write_text(old_text)
+    f_new.write_text(new_text)
+    assert tool.main(["--sass", str(f_new), "--against", str(f_old)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "DIFF dispatch_kernel<2, true> kSmallRecv: 11 -> 11 instructions", out
+    assert out[-1] == "SAME 1, DIFF 1, NEW 1, GONE 0", out
+    assert tool.main(["--sass", str(f_new), "--against", str(f_old), "--kernel", "stamp"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "SAME stamp_kernel: 2 -> 2 instructions", "SAME 1, DIFF 0, NEW 0, GONE 0"]
