@@ -886,9 +886,9 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
   }
 }
 
-// F_SETTLE_UNITS (the token layout's receive), load_token_units' wait: the warp polls until the header's two units and
-// every entry below the header's count are fresh, each poll reloading, at once, every unit
-// still stale. Units that land together are then seen one load latency after the last lands,
+// F_SETTLE_UNITS (the token layout's receive), load_token_units' wait: the warp polls until
+// the header's two units and every entry below the header's count are fresh, each poll
+// reloading, at once, every unit still stale. Units that land together are then seen one load latency after the last lands,
 // where spinning on each in turn (header, then id, weight, column) costs a latency for each
 // one whose first load was stale. Entries from the header's count on are never written: they
 // are polled only until the header is seen. uh, ue, uw, uc: the units' first loads. Not in the
