@@ -888,12 +888,13 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
 
 // F_SETTLE_UNITS (the token layout's receive), load_token_units' wait: the warp polls until
 // the header's two units and every entry below the header's count are fresh, each poll
-// reloading, at once, every unit still stale. Units that land together are then seen one load latency after the last lands,
-// where spinning on each in turn (header, then id, weight, column) costs a latency for each
-// one whose first load was stale. Entries from the header's count on are never written: they
-// are polled only until the header is seen. uh, ue, uw, uc: the units' first loads. Not in the
-// expert layout's receive, where every warp of a token's entries and chunks polls the same
-// units: there it was slower (+0.8% at T = 1, +1.5% at T = 24; one H100, 3bc31e9).
+// reloading, at once, every unit still stale. Units that land together are then seen one
+// load latency after the last lands, where spinning on each in turn (header, then id, weight,
+// column) costs a latency for each one whose first load was stale. Entries from the header's
+// count on are never written: they are polled only until the header is seen. uh, ue, uw, uc:
+// the units' first loads. Not in the expert layout's receive, where every warp of a token's
+// entries and chunks polls the same units: there it was slower (+0.8% at T = 1, +1.5% at
+// T = 24; one H100, 3bc31e9).
 __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
                                                    uint32_t llf, uint64_t deadline, int sr,
                                                    uint64_t uh, uint64_t ue, uint64_t uw,
@@ -1232,10 +1233,10 @@ __device__ __forceinline__ int* lead_slots() {
 // F_LEAD_POLL (kUnitExpRecv, one token in all): load_token_units' outputs, where only warp 0
 // of each CTA, on its first unit (`lead`), polls the token's metadata units in global memory
 // and shares them through lead_slots(); the CTA's other warps, and warp 0's later units, wait
-// for its flag in shared memory. Why: at
-// T = 1 every warp of the token's (entry, chunk) units polls the same few lines (256 warps on
-// 16 CTAs at H 4,096), and polling them harder was slower (AFDEP_SETTLE_UNITS in this
-// receive: +0.8% at T = 1). False at the deadline (reported) or where the lead warp gave up.
+// for its flag in shared memory. Why: at T = 1 every warp of the token's (entry, chunk) units
+// polls the same few lines (256 warps on 16 CTAs at H 4,096), and polling them harder was
+// slower (AFDEP_SETTLE_UNITS in this receive: +0.8% at T = 1). False at the deadline
+// (reported) or where the lead warp gave up.
 __device__ __forceinline__ bool lead_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, bool lead, int& tok,
                                                  int& nloc, int& el, int& wi, int& col) {
