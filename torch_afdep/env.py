@@ -225,13 +225,6 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
-    _control("AFDEP_LEAD_POLL", 28, 0,
-             "experimental, off by default (not yet run on a GPU): the expert layout's receive "
-             "of one token in all (kUnitExpRecv with AFDEP_SHUFFLE_MATCH and "
-             "AFDEP_LONE_EXPAND) lets warp 0 of each CTA poll the token's metadata units and "
-             "share them through shared memory, where every warp of the token's (entry, chunk) "
-             "units polled them (256 warps at T = 1, H 4,096), in an instantiation of its own; "
-             "the same outputs; 0 = every unit's warp polls the token's units"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -392,6 +385,8 @@ RETIRED: Dict[str, str] = {
                                    "shorter (1.7 us at T = 1), +1.1% at T = 1",
     "AFDEP_EARLY_ADDRESS": "removed in session 44: +1.0% (token layout) and +0.9% (expert "
                            "layout) at T = 1",
+    "AFDEP_LEAD_POLL": "removed in session 45: the expert layout's wait for a lone token's "
+                       "units no shorter (1.70 us at T = 1), +0.9% at T = 1, +4.7% at T = 7",
 }
 
 

@@ -1220,72 +1220,6 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
   return __all_sync(kFull, got);
 }
 
-// F_LEAD_POLL: the lone token's metadata as warp 0 of a CTA published it for the CTA's other
-// warps: [0] the exchange's flag once published (ll_flag, never 0; zeroed behind a barrier
-// before the receive's waits), [1] 1 where its wait succeeded, [2] token index, [3] entry
-// count, then each lane's entry (id, weight bits, position; 32 each)
-constexpr int kLeadInts = 4 + 3 * 32;
-__device__ __forceinline__ int* lead_slots() {
-  __shared__ int s[kLeadInts];
-  return s;
-}
-
-// F_LEAD_POLL (kUnitExpRecv, one token in all): load_token_units' outputs, where only warp 0
-// of each CTA, on its first unit (`lead`), polls the token's metadata units in global memory
-// and shares them through lead_slots(); the CTA's other warps, and warp 0's later units, wait
-// for its flag in shared memory. Why: at T = 1 every warp of the token's (entry, chunk) units
-// polls the same few lines (256 warps on 16 CTAs at H 4,096), and polling them harder was
-// slower (AFDEP_SETTLE_UNITS in this receive: +0.8% at T = 1). False at the deadline
-// (reported) or where the lead warp gave up.
-__device__ __forceinline__ bool lead_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
-                                                 uint64_t deadline, int sr, bool lead, int& tok,
-                                                 int& nloc, int& el, int& wi, int& col) {
-  const int lane = threadIdx.x & 31;
-  int* s = lead_slots();
-  volatile int* vs = s;
-  if (lead) {  // (a register, the same in every lane: warp 0's first unit)
-    const bool ok = load_token_units(L, u, llf, deadline, sr, tok, nloc, el, wi, col);
-    s[4 + lane] = el;
-    s[36 + lane] = wi;
-    s[68 + lane] = col;
-    if (lane == 0) {
-      s[1] = ok ? 1 : 0;
-      s[2] = tok;
-      s[3] = nloc;
-    }
-    __syncwarp();  // the lanes' words before lane 0's flag
-    if (lane == 0) {
-      __threadfence_block();
-      vs[0] = (int)llf;
-    }
-    return ok;
-  }
-  int st = 0;  // lane 0 waits: 1 published, -1 gave up (reported)
-  if (lane == 0) {
-    uint32_t spins = 0;
-    while (true) {
-      if (vs[0] == (int)llf) {
-        st = 1;
-        break;
-      }
-      if (ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank)) {
-        st = -1;
-        break;
-      }
-    }
-    __threadfence_block();
-  }
-  __syncwarp();
-  st = __shfl_sync(kFull, st, 0);
-  if (st < 0 || vs[1] == 0) return false;
-  tok = vs[2];
-  nloc = vs[3];
-  el = vs[4 + lane];
-  wi = vs[36 + lane];
-  col = vs[68 + lane];
-  return true;
-}
-
 // F_LL_EXPERTS, the expert layout's receive of flagged units (kUnitExpRecv). Every region is
 // booked (s_cnt: its tokens, 0 on a bucket mismatch; s_form: it came as units) and s_tab was
 // zeroed before the waits. No per-expert counts travel: an entry's position is its rank among
@@ -1299,14 +1233,9 @@ __device__ __forceinline__ bool lead_token_units(const Layout& L, const uint64_t
 // r's row; the warp loads its chunk's units once and stores each vector into every row of the
 // token (kUnitExpRecv's warps of a token's R entries each loaded the chunk and the token's
 // metadata units again), and the chunks go one warp to a CTA (grid_warp's spread mapping)
-// kLead (F_LEAD_POLL; kUnitExpRecv's shuffle instantiation only): the lone token's metadata
-// polled by one warp a CTA (lead_token_units)
-template <bool kFan = false, bool kShuffle = false, bool kLead = false>
+template <bool kFan = false, bool kShuffle = false>
 __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
                              uint64_t deadline, int* smem) {
-  // a CTA's unit warps must be its first ones (unspread), so that warp 0 leads wherever a
-  // CTA holds a unit; kFan spreads them over the CTAs
-  static_assert(!(kLead && kFan), "F_LEAD_POLL needs the unspread mapping");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = blockIdx.x;
   char* mine = own_window(L);
   const int nreg = L.A * L.S, El = L.El, stride = a.stride;
@@ -1388,13 +1317,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
       ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
-    if (kLead && lone >= 0) {  // every unit is the lone token's: warp 0 of the CTA polls
-      if (!lead_token_units(L, ut, llf, deadline, sr, warp == 0 && u == gw, tok, nloc, el, wi,
-                            pos))
-        return;
-    } else if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) {
-      return;
-    }
+    if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
     // traced only: thread 0's first unit (at T = 1 the token's), its metadata units seen; in
     // the lone path before the offsets, which follow from them
     if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
@@ -1525,10 +1448,7 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // their own, so that no other form carries its code): repeated ids by shuffles
 // kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread only, the token layout): a token's metadata
 // units polled together (settle_token_units)
-// kLead (F_LEAD_POLL; kUnitExpRecv with kShuffle only): the lone token's metadata units polled
-// by one warp a CTA (lead_token_units)
-template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false,
-          bool kLead = false>
+template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1686,7 +1606,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       int st = 0;                          // bit 0: timed out, bit 1: a count block came
       if (form_unit_exp(kForm))  // expand_units' rows per (region, expert), zeroed meanwhile
         for (int i = tid; i < L.A * L.S * L.El; i += blockDim.x) smem[6 * L.A * L.S + i] = 0;
-      if (kLead && tid == 0) lead_slots()[0] = 0;  // no flag yet (published behind the barrier)
       for (int i = tid; i < L.A * L.S && !(st & 1); i += blockDim.x) {
         const int form = wait_region_ll(L, mine, i, n, deadline, s_form);
         if (form == 1) book_region(L, a, i, mine, smem);
@@ -1736,7 +1655,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     trace_mark(L, kTrWaited, kTrMaxWaited);
     if (kSmall || a.real_recv) {
       if (form_unit_exp(kForm))
-        expand_units<kForm == kUnitExpFan, kShuffle, kLead>(L, a, n, deadline, smem);
+        expand_units<kForm == kUnitExpFan, kShuffle>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
         place_tokens<kForm, kSpread, kSettle>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
@@ -1835,9 +1754,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true>, attr, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv, false, true, false, true>, attr,
-                             (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpFan, false, true>, attr, (int)smem);
@@ -1860,14 +1776,9 @@ cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, 
 }
 
 // F_SHUFFLE_MATCH: a form that finds repeated ids, in its shuffle instantiation
-// (F_LEAD_POLL: kUnitExpRecv's shuffle instantiation whose lone token is polled by one warp a
-// CTA)
 template <int kForm>
 cudaError_t launch_shuffling(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
                              cudaStream_t stream) {
-  if (kForm == kUnitExpRecv && (L.flags & F_SHUFFLE_MATCH) && (L.flags & F_LEAD_POLL))
-    return launch_transport_kernel(dispatch_kernel<kUnitExpRecv, false, true, false, true>, L,
-                                   a, grid, smem, stream);
   if (L.flags & F_SHUFFLE_MATCH)
     return launch_transport_kernel(dispatch_kernel<kForm, false, true>, L, a, grid, smem, stream);
   return launch_transport_kernel(dispatch_kernel<kForm>, L, a, grid, smem, stream);

@@ -493,58 +493,6 @@ def test_lone_expand_graph_replays(dtype, bucket, value):
                        forms=(("kUnitExpRecv", None), ("kSmallSend", None)))
 
 
-# AFDEP_LEAD_POLL (experimental, off by default): in the lone token's receive (kUnitExpRecv,
-# AFDEP_LONE_EXPAND) warp 0 of each CTA polls the token's metadata units and the CTA's other
-# warps take them from shared memory
-LEAD = {"AFDEP_LEAD_POLL": "1"}
-LEAD_BIT = controls.CONTROLS["AFDEP_LEAD_POLL"].bit
-
-
-@pytest.mark.parametrize("layout,dtype,hidden,local_sms,delay", [
-    ("1A1F", "bfloat16", 2048, 0, 0), ("1A1F", "float8_e4m3fn", 2048, 0, 0),
-    ("2A2F", "bfloat16", 2048, 0, 0), ("3A1F", "float8_e4m3fn", 2048, 0, 0),
-    ("1A3F", "bfloat16", 2048, 0, 0), ("1A1F", "bfloat16", 8192, 1, 0),
-    ("2A2F", "bfloat16", 4096, 5, 0), ("1A1F", "bfloat16", 4096, 0, 20)],
-    ids=["1A1F-bf16", "1A1F-fp8", "2A2F-bf16", "3A1F-fp8", "1A3F-bf16", "1A1F-H8192-1cta",
-         "2A2F-H4096-5cta", "1A1F-delayed"])
-def test_lead_poll_eager(layout, dtype, hidden, local_sms, delay):
-    """AFDEP_LEAD_POLL=1: every exchange of lone_plan, then llx_plan, exact on every rank (the
-    FFN's rows, offsets, weights, payload bits and receipts against every source; the
-    Attention's output against the fp64 reference), every units receive in kUnitExpRecv; with
-    the stage trace, the receives of one token in all built no count table (the lead path ran),
-    the others one. local_sms 1 and 5: the lone token's units outnumber a CTA's warps or end
-    inside one (the lead warp's later units and warps without a unit); delayed: every dispatch
-    20 ms late on the GPU, so the lead warps poll the previous exchange's units and the other
-    warps wait in shared memory that long."""
-    A = LAYOUTS[layout][1]
-    plan = lone_plan(A) + llx_plan(A)
-    kw = dict(cfg_kw(layout, 128, hidden, dtype), local_sms=local_sms)
-    env = {**LEAD, **LLX, "AFDEP_TRACE": "1"}
-    if delay:
-        env["AFDEP_TEST_DISPATCH_DELAY_MS"] = str(delay)
-    res = run(layout, kw, plan, env=env, seed=79)
-    nlone = len(lone_plan(A))
-    for r, st in enumerate(res):
-        assert st["flags"] & LEAD_BIT, (r, hex(st["flags"]))
-        assert st["flags"] & LONE_BIT, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
-            assert st["forms"][0] <= {"kUnitExpRecv", "kCountRecvLL", "kGeneric"}, \
-                (r, st["forms"])
-            for i, (got, table) in enumerate(st["tables"][:nlone]):
-                assert table == (got != 1), (r, i, got, table)
-            assert any(got == 1 for got, _ in st["tables"][:nlone]), (r, st["tables"])
-
-
-def test_lead_poll_sanitizer_small():
-    """Small 1A1F exchanges of one token in all and a few, with AFDEP_LEAD_POLL=1, under
-    compute-sanitizer memcheck (scripts/gpu_suite.sh runs the *sanitizer* cases so): the lead
-    warps' shared slots and the other warps' reads of them."""
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(8, [1], "skewed"), (24, [1], "partial"), (24, [7], "random"),
-                     (1, [1], "random")], env={**LLX, **LEAD}, seed=83)
-
-
 # AFDEP_FANOUT_EXPAND (experimental, off by default): the expert layout's units receive in its
 # own form, kUnitExpFan, whose (token, chunk) units each store a chunk of the token's row into
 # every row of its entries; both of its paths: the lone token's (AFDEP_LONE_EXPAND) and the
@@ -845,11 +793,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("experts", ["AFDEP_LEAD_POLL=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "experts-lead_poll"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -862,9 +809,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
-    default forms (the token layout's receive spinning on each metadata unit in turn);
-    lead_poll: AFDEP_LEAD_POLL=1, the default forms (the lone receive's units polled by one
-    warp a CTA)."""
+    default forms (the token layout's receive spinning on each metadata unit in turn)."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -885,8 +830,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_LEAD_POLL=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -176,7 +176,7 @@ SCEN_LONE = {
 
 
 @pytest.mark.parametrize("arm", ["defaults", "lone_off", "fanout", "fanout_lone_off",
-                                 "match_any", "match_any_fanout", "lead_poll"])
+                                 "match_any", "match_any_fanout"])
 @pytest.mark.parametrize("layout", ["1A1F", "2A2F"])
 def test_lone_expand_hostile_graph_replays(layout, arm):
     """test_units_hostile_graph_replays' kinds (and the mixed one) with one token in all from
@@ -185,8 +185,7 @@ def test_lone_expand_hostile_graph_replays(layout, arm):
     (lone_off: AFDEP_LONE_EXPAND=0, the count table); fanout: the same with
     AFDEP_FANOUT_EXPAND=1 (the receive in kUnitExpFan); match_any: AFDEP_SHUFFLE_MATCH=0, the
     claim's repeated ids and the lone receive's rows by MATCH.ANY (with the fan-out form:
-    match_any_fanout; by shuffles in the other arms); lead_poll: AFDEP_LEAD_POLL=1, the lone
-    token's metadata units polled by warp 0 of each CTA and shared. Out-of-range ids reported on the
+    match_any_fanout; by shuffles in the other arms). Out-of-range ids reported on the
     Attention rank after the replays that had them, duplicates counted once, every valid entry
     exact on every rank, NaN / Inf passed through, a token without a route giving zeros."""
     scen = SCEN_LONE[layout]
@@ -194,19 +193,16 @@ def test_lone_expand_hostile_graph_replays(layout, arm):
            "fanout": {"AFDEP_FANOUT_EXPAND": "1"},
            "fanout_lone_off": {"AFDEP_FANOUT_EXPAND": "1", "AFDEP_LONE_EXPAND": "0"},
            "match_any": {"AFDEP_SHUFFLE_MATCH": "0"},
-           "match_any_fanout": {"AFDEP_SHUFFLE_MATCH": "0", "AFDEP_FANOUT_EXPAND": "1"},
-           "lead_poll": {"AFDEP_LEAD_POLL": "1"}}[arm]
+           "match_any_fanout": {"AFDEP_SHUFFLE_MATCH": "0", "AFDEP_FANOUT_EXPAND": "1"}}[arm]
     stats = run(layout, kw(layout, cap=48, sms=48), scen, seed=13, env=env)
     lone = controls.CONTROLS["AFDEP_LONE_EXPAND"].bit
     shuffle = controls.CONTROLS["AFDEP_SHUFFLE_MATCH"].bit
-    lead = controls.CONTROLS["AFDEP_LEAD_POLL"].bit
     fan = "fanout" in arm
     for s in stats:
         assert s["checked"] == _replays(scen), s
         assert bool(s["flags"] & lone) == ("lone_off" not in arm), (arm, hex(s["flags"]))
         assert bool(s["flags"] & shuffle) == (not arm.startswith("match_any")), \
             (arm, hex(s["flags"]))
-        assert bool(s["flags"] & lead) == (arm == "lead_poll"), (arm, hex(s["flags"]))
         want = {"ffn": "kUnitExpFan" if fan else "kUnitExpRecv",
                 "attention": "kSmallSend"}[s["role"]]
         assert s["forms"][0] == {want}, s["forms"]
@@ -216,11 +212,10 @@ def test_lone_expand_hostile_graph_replays(layout, arm):
 @pytest.mark.parametrize("layout,experts,llx", [("1A1F", 128, False), ("2A2F", 128, False),
                                                 ("2A2F", 8, False), ("2A2F", 8, True),
                                                 ("2A2F", 8, "fanout"),
-                                                ("2A2F", 8, "match_any"),
-                                                ("2A2F", 8, "lead_poll")],
+                                                ("2A2F", 8, "match_any")],
                          ids=["1A1F-R8", "2A2F-R8", "2A2F-E8-R4-clip",
                               "2A2F-E8-R4-clip-ll_experts", "2A2F-E8-R4-clip-fanout",
-                              "2A2F-E8-R4-clip-match_any", "2A2F-E8-R4-clip-lead_poll"])
+                              "2A2F-E8-R4-clip-match_any"])
 def test_graph_duplicate_ids(layout, experts, llx):
     """Duplicated expert ids within a token (some tokens with all k entries equal): per the
     contract a duplicate counts once, with its first occurrence's weight
@@ -233,14 +228,12 @@ def test_graph_duplicate_ids(layout, experts, llx):
     R = 4 entries here, not top_k; the others run at capacity 128 (5-6 tokens a channel: the
     count-block dispatch); "fanout": as llx with AFDEP_FANOUT_EXPAND=1 (kUnitExpFan);
     "match_any": as llx with AFDEP_SHUFFLE_MATCH=0 (the claim's and the lone receive's
-    repeated ids by MATCH.ANY; by shuffles in the other llx cases); "lead_poll": as llx with
-    AFDEP_LEAD_POLL=1 (a lone token's units polled by one warp a CTA)."""
+    repeated ids by MATCH.ANY; by shuffles in the other llx cases)."""
     A = LAYOUTS[layout][1]
     if llx:
         scen = [sc("dups", [48] * A, 10), sc("dups", [33, 1][:A], 4, "int32")]
         env = {"fanout": {"AFDEP_FANOUT_EXPAND": "1"},
-               "match_any": {"AFDEP_SHUFFLE_MATCH": "0"},
-               "lead_poll": {"AFDEP_LEAD_POLL": "1"}}.get(llx)
+               "match_any": {"AFDEP_SHUFFLE_MATCH": "0"}}.get(llx)
         stats = run(layout, kw(layout, cap=48, experts=experts, sms=48), scen, seed=5, env=env)
     else:
         scen = [sc("dups", [128] * A, 10), sc("dups", [33] * A, 4, "int32")]

@@ -61,9 +61,7 @@ namespace afdep {
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
                                sender's claim and the expert layout's lone receive */         \
   X(SETTLE_UNITS, 29)       /* the token layout's receive of flagged units polls a token's    \
-                               metadata units together, not one after another */              \
-  X(LEAD_POLL, 28)          /* the expert layout's receive of one token in all: one warp a    \
-                               CTA polls its metadata units (experimental) */
+                               metadata units together, not one after another */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
