@@ -144,6 +144,12 @@ STAGES = [
     # metadata units seen (their wait), then that row's metadata written, its CTA's barrier
     ("    F CTA0: ready -> token units seen",
      lambda da, ca, df, cf: _gap(df, LOADED, df, READY) if _units_after(df) else None, False),
+    # ... split where thread 0's first poll of them returned (AFDEP_SETTLE_UNITS' receive;
+    # stale or not): the load's latency, then the polls after it
+    ("      F CTA0: ready -> first poll returned",
+     lambda da, ca, df, cf: _gap(df, MASKED, df, READY) if _units_after(df) else None, False),
+    ("      F CTA0: first poll returned -> token units seen",
+     lambda da, ca, df, cf: _gap(df, LOADED, df, MASKED) if _units_after(df) else None, False),
     ("    F CTA0: token units seen -> its end",
      lambda da, ca, df, cf: _gap(df, END, df, LOADED) if _units_after(df) else None, False),
     ("  F receive: CTA0 counts seen -> last CTA counts seen",

@@ -225,6 +225,13 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
+    _control("AFDEP_STAGGER_POLL", 8, 0,
+             "experimental, off by default (not yet run on a GPU): with AFDEP_SETTLE_UNITS, the "
+             "token layout's receive of flagged units keeps two sets of loads of a token's "
+             "metadata units in flight, the second issued 256 ns after the first and each "
+             "reissued as soon as it is tested, so that the units are polled about every half "
+             "load latency instead of every latency, in an instantiation of its own; the same "
+             "outputs; 0 = one set of loads, reissued after each test"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

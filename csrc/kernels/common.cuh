@@ -359,6 +359,10 @@ __device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
   return (uint32_t)(v >> 32) == flag;
 }
 
+// A unit no load returns in practice (its flag would be exchange 0x01234566's, and its word
+// the same bits): traced code branches on a loaded unit against it to stamp the load's return.
+constexpr uint64_t kNoUnit = 0x0123456789abcdefull;
+
 // The flag of exchange n: never 0, which a window's zeroed units hold.
 __device__ __forceinline__ uint32_t ll_flag(uint64_t n) {
   return (uint32_t)(n % 0xffffffffull) + 1u;
