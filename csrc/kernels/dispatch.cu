@@ -895,7 +895,8 @@ __device__ __forceinline__ void write_row_meta(const Layout& L, const DispatchAr
 // the units' first loads. Not in the expert layout's receive, where every warp of a token's
 // entries and chunks polls the same units: there it was slower (+0.8% at T = 1, +1.5% at
 // T = 24; one H100, 3bc31e9).
-// stamp (traced only, thread 0's first row): kTrMasked when its first load of the header returns
+// stamp (traced only, thread 0's first row): kTrMasked once its first load of the header
+// returns, so the trace splits the wait into that load's latency and the polls after it
 __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64_t* u,
                                                    uint32_t llf, uint64_t deadline, int sr,
                                                    uint64_t uh, uint64_t ue, uint64_t uw,
@@ -930,84 +931,15 @@ __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64
   return true;
 }
 
-// F_STAGGER_POLL (experimental; the token layout's receive, with F_SETTLE_UNITS): as
-// settle_token_units, with two sets of loads in flight, the second issued kStaggerNs after the
-// first and each reissued as soon as it has been tested, so that the units are polled about
-// every half load latency instead of every latency. Why: at T = 1 the receive starts polling
-// about when the token's units land, and a unit that lands just after a poll's load passed it
-// is seen one whole latency later. uh, ue, uw, uc: set A's first loads (load_token_units).
-constexpr uint64_t kStaggerNs = 256;
-__device__ __forceinline__ bool stagger_token_units(const Layout& L, const uint64_t* u,
-                                                    uint32_t llf, uint64_t deadline, int sr,
-                                                    uint64_t uh, uint64_t ue, uint64_t uw,
-                                                    uint64_t uc, bool stamp, int& tok, int& nloc,
-                                                    int& el, int& wi, int& col) {
-  const int lane = threadIdx.x & 31;
-  const bool ent = lane < L.R;  // entries past the header's count are masked below
-  uint64_t vh = 0, ve = 0, vw = 0, vc = 0;  // set B
-  const uint64_t t0 = global_timer_ns();
-  while (global_timer_ns() - t0 < kStaggerNs) {
-  }
-  if (lane < 2) vh = ld_ll(u + lane);
-  if (ent) {
-    ve = ld_ll(u + 2 + lane);
-    vw = ld_ll(u + 2 + L.R + lane);
-    vc = ld_ll(u + 2 + 2 * L.R + lane);
-  }
-  if (stamp && uh != kNoUnit) trace_mark(L, kTrMasked, -1);  // set A's first loads returned
-  uint64_t bh = 0, be = 0, bw = 0, bc = 0;  // the freshest value seen of each unit
-  int nl = -1;  // the header's entry count, once both its units are fresh
-  uint32_t spins = 0;
-  // one set's loads (waited for here) into the freshest values; true once every unit the warp
-  // needs is fresh (the same in every lane)
-  auto settled = [&](uint64_t h, uint64_t e, uint64_t w, uint64_t c) {
-    if (!ll_fresh(bh, llf)) bh = h;
-    if (!ll_fresh(be, llf)) be = e;
-    if (!ll_fresh(bw, llf)) bw = w;
-    if (!ll_fresh(bc, llf)) bc = c;
-    const bool hf = lane >= 2 || ll_fresh(bh, llf);
-    if (nl < 0) {  // (nl is the warp's: every lane takes this branch alike)
-      if (__all_sync(kFull, hf)) nl = min(max(__shfl_sync(kFull, (int)(uint32_t)bh, 1), 0), L.R);
-    }
-    const bool need = ent && (nl < 0 || lane < nl);
-    const bool ef = !need || (ll_fresh(be, llf) && ll_fresh(bw, llf) && ll_fresh(bc, llf));
-    return __all_sync(kFull, hf && ef);
-  };
-  // reissue one set's loads of the units still stale
-  auto reload = [&](uint64_t& h, uint64_t& e, uint64_t& w, uint64_t& c) {
-    const bool need = ent && (nl < 0 || lane < nl);
-    if (lane < 2 && !ll_fresh(bh, llf)) h = ld_ll(u + lane);
-    if (need && !ll_fresh(be, llf)) e = ld_ll(u + 2 + lane);
-    if (need && !ll_fresh(bw, llf)) w = ld_ll(u + 2 + L.R + lane);
-    if (need && !ll_fresh(bc, llf)) c = ld_ll(u + 2 + 2 * L.R + lane);
-  };
-  while (true) {
-    if (settled(uh, ue, uw, uc)) break;
-    int quit = 0;  // lane 0 counts the spins and reports; every lane gives up with it
-    if (lane == 0) quit = ll_give_up(spins, deadline, L.err, kPhaseDispatch, sr, L.rank);
-    if (__shfl_sync(kFull, quit, 0)) return false;
-    reload(uh, ue, uw, uc);
-    if (settled(vh, ve, vw, vc)) break;
-    reload(vh, ve, vw, vc);
-  }
-  tok = __shfl_sync(kFull, (int)(uint32_t)bh, 0);
-  nloc = nl;
-  const bool mine = lane < nl;
-  el = mine ? (int)(uint32_t)be : -1;
-  wi = mine ? (int)(uint32_t)bw : 0;
-  col = mine ? (int)(uint32_t)bc : -1;
-  return true;
-}
-
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
 // every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
 // -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
 // at the deadline (reported), in every lane.
 // Each unit is spun on in turn (the header, then each lane's id, weight and column), so a unit
 // that landed while an earlier one was spun on costs a load latency all the same (its first
-// load was stale). kSettle 1 (F_SETTLE_UNITS): settle_token_units instead; 2 (with
-// F_STAGGER_POLL): stagger_token_units. stamp: as settle_token_units'.
-template <int kSettle = 0>
+// load was stale). kSettle (F_SETTLE_UNITS): settle_token_units instead. stamp: as
+// settle_token_units'.
+template <bool kSettle = false>
 __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, int& tok, int& nloc,
                                                  int& el, int& wi, int& col, bool stamp = false) {
@@ -1019,10 +951,7 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
     uw = ld_ll(u + 2 + L.R + lane);
     uc = ld_ll(u + 2 + 2 * L.R + lane);
   }
-  if constexpr (kSettle == 2)
-    return stagger_token_units(L, u, llf, deadline, sr, uh, ue, uw, uc, stamp, tok, nloc, el, wi,
-                               col);
-  if constexpr (kSettle == 1)
+  if constexpr (kSettle)
     return settle_token_units(L, u, llf, deadline, sr, uh, ue, uw, uc, stamp, tok, nloc, el, wi,
                               col);
   bool ok = true;
@@ -1085,9 +1014,8 @@ __device__ __forceinline__ bool load_raw_units(const Layout& L, const uint64_t* 
 // slot-major (j, region): the order in which rows land when each row has its own flag.
 // booked: every region's arrays are already written (the small receive books each region as
 // its wait ends) and published by a barrier.
-// kSettle (kSmallRecv's spread instantiations only): 1 (F_SETTLE_UNITS) settle_token_units,
-// 2 (with F_STAGGER_POLL) stagger_token_units
-template <int kForm, bool kSpread = false, int kSettle = 0>
+// kSettle (F_SETTLE_UNITS; kSmallRecv's spread instantiation only): settle_token_units
+template <int kForm, bool kSpread = false, bool kSettle = false>
 __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n, uint64_t deadline,
                              int* smem, bool booked) {
   constexpr bool kSmall = kForm != kGeneric;
@@ -1526,10 +1454,7 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // their own, so that no other form carries its code): repeated ids by shuffles
 // kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread only, the token layout): a token's metadata
 // units polled together (settle_token_units)
-// kStagger (F_STAGGER_POLL; with kSettle only): by two staggered sets of loads
-// (stagger_token_units)
-template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false,
-          bool kStagger = false>
+template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
@@ -1738,8 +1663,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       if (form_unit_exp(kForm))
         expand_units<kForm == kUnitExpFan, kShuffle>(L, a, n, deadline, smem);
       else if (kUnits || (!kSmall && L.tokens))
-        place_tokens<kForm, kSpread, kSettle ? (kStagger ? 2 : 1) : 0>(L, a, n, deadline, smem,
-                                                                      booked);
+        place_tokens<kForm, kSpread, kSettle>(L, a, n, deadline, smem, booked);
       else expand<kForm>(L, a, n, deadline, smem);
     }
   }
@@ -1831,9 +1755,6 @@ cudaError_t dispatch_prepare(const Layout& L) {
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true>, attr, (int)smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true, false, true>, attr, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(dispatch_kernel<kSmallRecv, true, false, true, true>, attr,
-                             (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountSend>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kCountRecv>, attr, (int)smem);
   if (e == cudaSuccess) e = cudaFuncSetAttribute(dispatch_kernel<kUnitExpRecv>, attr, (int)smem);
@@ -1848,15 +1769,10 @@ cudaError_t dispatch_prepare(const Layout& L) {
 
 // F_SPREAD_CHUNKS: a receive form that places rows from their units, in its spread
 // instantiation (place_rows_ll's chunks warp-major)
-// (F_SETTLE_UNITS: kSmallRecv's spread instantiation with settled metadata units; with
-// F_STAGGER_POLL, its staggered polls)
+// (F_SETTLE_UNITS: kSmallRecv's spread instantiation with settled metadata units)
 template <int kForm>
 cudaError_t launch_spreadable(const Layout& L, const DispatchArgs& a, int grid, size_t smem,
                               cudaStream_t stream) {
-  if (kForm == kSmallRecv && (L.flags & F_SPREAD_CHUNKS) && (L.flags & F_SETTLE_UNITS) &&
-      (L.flags & F_STAGGER_POLL))
-    return launch_transport_kernel(dispatch_kernel<kSmallRecv, true, false, true, true>, L, a,
-                                   grid, smem, stream);
   if (kForm == kSmallRecv && (L.flags & F_SPREAD_CHUNKS) && (L.flags & F_SETTLE_UNITS))
     return launch_transport_kernel(dispatch_kernel<kSmallRecv, true, false, true>, L, a, grid,
                                    smem, stream);

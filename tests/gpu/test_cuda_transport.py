@@ -117,6 +117,27 @@ def test_eager_role_aware(layout, cap, hidden, dtype):
         assert "kUnitReply" in s["forms"][1], (r, s["forms"])
 
 
+def test_dispatch_smem_between_40_and_48_kb():
+    """A configuration whose dispatch kernels take 44 KB of dynamic shared memory: 1A1F, 1,024
+    experts on the one FFN rank, 10 channels (the receive's [regions][local experts] table).
+    With the kernels' static arrays (up to 5.8 KB) a block needs more than the 48 KB a launch
+    gets without the opt-in attribute, which dispatch_prepare sets from 40 KB of dynamic memory
+    on (it once did so only above 48 KB: these launches would have failed). Exchanges at T = 0,
+    1, 7 and the bucket exact on every rank; the receive ran in the units form (bucket 8: one
+    token a channel, kUnitExpRecv) and in another (bucket 64: the count form)."""
+    kw = dict(cfg_kw("1A1F", 64, 1024), num_experts=1024, num_sms=10)
+    # dispatch_smem_bytes' largest term here (expand_units' arrays), mirrored: if it drifts out
+    # of (40, 46] KB this test no longer covers the margin
+    nreg, el = 10, 1024
+    units = (6 * nreg + nreg * el + el + 1 + nreg + 1) * 4
+    assert 40 * 1024 < units <= 46 * 1024, units
+    stats = run("1A1F", kw, [(64, [0], "random"), (64, [1], "random"), (64, [7], "skewed"),
+                             (64, [64], "partial"), (8, [8], "random")], seed=91)
+    ffn = [s for s in stats if s["role"] == "ffn"]
+    assert ffn and all("kUnitExpRecv" in s["forms"][0] and len(s["forms"][0]) >= 2
+                       for s in ffn), [s["forms"] for s in ffn]
+
+
 @pytest.mark.parametrize("layout,cap,hidden,dtype", CASES)
 def test_eager_symmetric(layout, cap, hidden, dtype):
     """AFDEP_SYMMETRIC=1: every control reverted, the union layout, the generic kernels."""
@@ -793,11 +814,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_STAGGER_POLL=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-stagger_poll"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -810,10 +830,9 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
-    default forms (the token layout's receive spinning on each metadata unit in turn);
-    stagger_poll: AFDEP_STAGGER_POLL=1, the default forms (the receive's two staggered sets of
-    loads). Where the receive settles its units (not spin_each, not raw_meta), its wait splits
-    at its first poll's return."""
+    default forms (the token layout's receive spinning on each metadata unit in turn). Where the
+    token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
+    its first poll's return."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -834,8 +853,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_STAGGER_POLL=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
