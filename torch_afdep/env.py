@@ -225,14 +225,6 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
-    _control("AFDEP_WARM_PARAMS", 8, 0,
-             "experimental, off by default (not yet run on a GPU): every transport kernel "
-             "first has warp w of each CTA read one word of the w-th 64-byte line of its "
-             "parameter block, before its programmatic-launch wait, so that the block's "
-             "constant-cache lines (new each launch) are fetched at once over the warps instead "
-             "of one miss after another as the code first reads each line (ncu at T = 1: "
-             "19-25% of the dispatch's and the collect's warp samples on constant-cache "
-             "misses); the same outputs; 0 = each line fetched when the code first reads it"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -398,6 +390,8 @@ RETIRED: Dict[str, str] = {
     "AFDEP_STAGGER_POLL": "removed in session 45: the token layout's receive no shorter (its "
                           "first poll returned 1.25 us after ready against 0.86), within 2.4% "
                           "either way",
+    "AFDEP_WARM_PARAMS": "withdrawn in session 45 before any GPU run: at 0 it changed the code "
+                         "the kernels ran (docs/history.md)",
 }
 
 

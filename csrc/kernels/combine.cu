@@ -513,8 +513,7 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 // T = 1 the expert layout's reply loads 8 rows, 64 KB, and every small form moves at least
 // one row's 8-16 KB: through one SM when a CTA's warps take them).
 template <int kForm, bool kSpread = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    combine_kernel(const __grid_constant__ Layout L, const __grid_constant__ CombineArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   // the reply's rows as flagged units: the token layout's (kSmallSend) or the expert
   // layout's (kUnitReply); the collect's units (kSmallRecv)
@@ -525,7 +524,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
-  warm_params(L, a);  // (F_WARM_PARAMS)
   pdl_wait(L);
   trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -68,38 +68,6 @@ __device__ __forceinline__ void pdl_wait(const Layout& L) {
 #endif
 }
 
-// F_WARM_PARAMS (experimental): every launch gets a new parameter block, so the kernel's first
-// read of a field in each constant-cache line of it misses, and a warp that reads fields of many
-// lines in turn (at small T one warp does most of a kernel's work) waits for each miss in turn:
-// ncu at T = 1 (one H100, token layout) put 19-25% of the dispatch's and the collect's warp
-// samples on constant-cache misses, 10-12% of the receive's and the reply's. Called first, before
-// pdl_wait: warp w of each CTA reads one word of line w of the block (the Layout, then the
-// launch's Args; the kernel takes both as __grid_constant__, so these are indexed constant
-// loads, not a copy), so that the lines are fetched at once, over the warps, and where the
-// kernel was launched early, behind the wait for the previous one.
-constexpr int kParamLine = 64;  // bytes (a larger cache line only repeats a fetch)
-template <typename Args>
-__device__ __forceinline__ void warm_params(const Layout& L, const Args& a) {
-  if (!(L.flags & F_WARM_PARAMS)) return;
-  constexpr int nl = (int)((sizeof(Layout) + kParamLine - 1) / kParamLine);
-  constexpr int na = (int)((sizeof(Args) + kParamLine - 1) / kParamLine);
-  static_assert(nl + na <= kWarps, "a warp for each line of the parameter block");
-  const int w = threadIdx.x >> 5;
-  uint32_t v;
-  if (w < nl) {
-    v = reinterpret_cast<const uint32_t*>(&L)[w * (kParamLine / 4)];
-  } else if (w < nl + na) {
-    v = reinterpret_cast<const uint32_t*>(&a)[(w - nl) * (kParamLine / 4)];
-  } else {
-    return;
-  }
-  // kept by a store (ptxas drops a load whose value nothing uses, even an empty asm's input)
-  __shared__ uint32_t s_warm[kWarps];
-  if ((threadIdx.x & 31) == 0)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&s_warm[w])),
-                 "r"(v));
-}
-
 // Lets the next PDL-launched kernel of the stream be scheduled now: its CTAs take free SMs
 // and sit in pdl_wait, instead of being launched once this grid has ended.
 __device__ __forceinline__ void pdl_launch_dependents(const Layout& L) {

@@ -1455,13 +1455,11 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
 // kSettle (F_SETTLE_UNITS; kSmallRecv with kSpread only, the token layout): a token's metadata
 // units polled together (settle_token_units)
 template <int kForm, bool kSpread = false, bool kShuffle = false, bool kSettle = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    dispatch_kernel(const __grid_constant__ Layout L, const __grid_constant__ DispatchArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, DispatchArgs a) {
   constexpr bool kSmall = kForm != kGeneric;
   constexpr bool kUnits = form_units(kForm);
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
-  warm_params(L, a);  // (F_WARM_PARAMS)
   pdl_wait(L);
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value

@@ -629,41 +629,6 @@ def test_unit_signal_graph_replays(dtype, bucket, tokens):
                        forms=((None, "kUnitReply"), (None, "kSmallRecv")))
 
 
-# AFDEP_WARM_PARAMS (experimental, off by default): every kernel's warps first fetch the
-# parameter block's constant-cache lines, one line a warp
-WARM = {"AFDEP_WARM_PARAMS": "1"}
-WARM_BIT = controls.CONTROLS["AFDEP_WARM_PARAMS"].bit
-
-
-@pytest.mark.parametrize("layout,cap,hidden,dtype", [
-    ("1A1F", 128, 2048, "bfloat16"), ("1A1F", 2048, 7168, "float8_e4m3fn"),
-    ("2A2F", 128, 4096, "bfloat16"), ("3A1F", 2048, 4096, "bfloat16"),
-    ("1A3F", 128, 7168, "bfloat16")])
-def test_warm_params_eager(layout, cap, hidden, dtype):
-    """AFDEP_WARM_PARAMS=1: test_eager_role_aware's plans (T 0 ... bucket, and bucket 8: the
-    small forms and the generic kernel) exact on every rank, the control in every rank's
-    flags."""
-    stats = run(layout, cfg_kw(layout, cap, hidden, dtype),
-                tokens_plan(LAYOUTS[layout][1], cap), env=WARM)
-    assert all(s["flags"] & WARM_BIT for s in stats), [hex(s["flags"]) for s in stats]
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", [("bfloat16", 1, 1), ("bfloat16", 8, 7),
-                                                 ("float8_e4m3fn", 24, 24)])
-def test_warm_params_graph_replays(dtype, bucket, tokens):
-    """AFDEP_WARM_PARAMS=1: 100 checked graph replays of a 1A1F exchange (expert layout; at
-    bucket 1 the lone token's forms, at 8 one token a channel, at 24 the count forms)."""
-    graph_replays_1a1f(dtype, bucket, tokens, WARM, 9950 + bucket)
-
-
-def test_warm_params_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_WARM_PARAMS=1 under compute-sanitizer memcheck (the
-    warps' indexed reads of the parameter block)."""
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(8, [1], "skewed"), (24, [7], "random"), (64, [64], "partial"),
-                     (1, [1], "random")], env=WARM, seed=97)
-
-
 def test_unit_signal_sanitizer_small():
     """Small 1A1F exchanges with AFDEP_UNIT_SIGNAL=1 (run under compute-sanitizer by
     scripts/gpu_suite.sh): units replies at buckets 1 and 8 around a count-form one (48)."""
@@ -849,11 +814,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_WARM_PARAMS=1"]), ("experts", ["AFDEP_WARM_PARAMS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-warm_params", "experts-warm_params"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -866,9 +830,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
-    default forms (the token layout's receive spinning on each metadata unit in turn);
-    warm_params: AFDEP_WARM_PARAMS=1, the default forms (every kernel first fetches its
-    parameter block's constant-cache lines, one line a warp). Where the
+    default forms (the token layout's receive spinning on each metadata unit in turn). Where the
     token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
     its first poll's return."""
     import json
@@ -891,8 +853,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_WARM_PARAMS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]
