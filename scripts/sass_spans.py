@@ -12,8 +12,10 @@ Usage:
         [--resources FILE] [--kernel NAME] [--against OLD_SASS]
 Prints, per kernel: its code bytes, its integer divisions by a run-time value (each starts
 with an `I2F.RP` or `I2F.U32.RP`, the reciprocal's seed; the small-T forms should have none,
-docs/protocol.md), and each %globaltimer read (the trace stamps, the deadlines) with its offset
-and the bytes since the previous one, plus the barriers, fences and calls in between. With the
+docs/protocol.md), each %globaltimer read (the trace stamps, the deadlines) with its offset
+and the bytes since the previous one, plus the barriers, fences and calls in between, and the
+64-byte lines of its parameter block (constant bank 0) in the order the code first reads them:
+each launch's block is new, so each line's first read misses the constant cache. With the
 extension (or --resources, a saved `cuobjdump --dump-resource-usage` listing) it also prints
 each kernel's registers a thread and stack bytes: on a GPU that ranks share, whether one rank's
 CTA still fits on an SM beside another's depends on them (65,536 registers an SM). --sass reads
@@ -142,6 +144,30 @@ def spans(insns: List[Tuple[int, str]]) -> Dict[str, object]:
     return {"bytes": size, "divisions": divisions, "stamps": stamps}
 
 
+#: a read of constant bank 0 at a fixed offset (the kernel parameters start at 0x210 on sm_90;
+#: the driver's words below them, e.g. the global-memory descriptor at 0x208)
+_CONST0 = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
+_CONST0_INDEXED = re.compile(r"c\[0x0\]\[U?R\d+")
+PARAM_BASE, PARAM_LINE = 0x200, 64
+
+
+def param_lines(insns: List[Tuple[int, str]]) -> Dict[str, object]:
+    """The 64-byte lines of constant bank 0 from PARAM_BASE on that the code reads at fixed
+    offsets, in the order of their first read: [(line's first offset, index of the first
+    instruction reading it)], and how many reads are indexed by a register (their line is known
+    only at run time). Each launch gets a new parameter block, so each line's first read misses
+    the constant cache (docs/history.md, session 45)."""
+    first: Dict[int, int] = {}
+    indexed = 0
+    for i, (_, ins) in enumerate(insns):
+        for off in _CONST0.findall(ins):
+            o = int(off, 16)
+            if o >= PARAM_BASE:
+                first.setdefault(o // PARAM_LINE * PARAM_LINE, i)
+        indexed += len(_CONST0_INDEXED.findall(ins))
+    return {"lines": sorted(first.items(), key=lambda kv: kv[1]), "indexed": indexed}
+
+
 def compare(old: Dict[str, List[Tuple[int, str]]],
             new: Dict[str, List[Tuple[int, str]]]) -> List[Tuple[str, str, int, int]]:
     """(status, short name, old instruction count, new count) per kernel instantiation, by
@@ -236,6 +262,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for st in s["stamps"]:
             print(f"  at {st['offset']:#07x}: +{st['bytes']:>7,} B ({st['instructions']:>5} "
                   f"instructions) {_summary(st['notable'])}")
+        pl = param_lines(insns)
+        firsts = ", ".join(f"{off:#x}@{i}" for off, i in pl["lines"])
+        print(f"  parameter lines read: {len(pl['lines'])} (line@first instruction: {firsts}); "
+              f"{pl['indexed']} indexed reads")
     return 0
 
 

@@ -104,8 +104,10 @@ def test_main_prints_registers_from_a_saved_resource_listing(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("dispatch_kernel: 176 bytes of code, 2 integer divisions, "
                         "2 %globaltimer reads, 70 registers a thread, 40 B stack")
-    assert lines[-2] == ("stamp_kernel: 32 bytes of code, 0 integer divisions, "
+    assert lines[-3] == ("stamp_kernel: 32 bytes of code, 0 integer divisions, "
                          "1 %globaltimer reads, 8 registers a thread, 0 B stack")
+    # the listing's constant reads are all below the parameter block
+    assert lines[-1] == "  parameter lines read: 0 (line@first instruction: ); 0 indexed reads"
 
 
 def test_form_names_come_from_the_kernels_enum(tmp_path, capsys):
@@ -157,3 +159,36 @@ def test_against_an_old_listing_names_each_instantiation(tmp_path, capsys):
     assert tool.main(["--sass", str(f_new), "--against", str(f_old), "--kernel", "stamp"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "SAME stamp_kernel: 2 -> 2 instructions", "SAME 1, DIFF 0, NEW 0, GONE 0"]
+
+
+PARAMS = """
+\t\tFunction : _ZN5afdep44_GLOBAL__N__359a11ab_11_dispatch_cu_63705c8615dispatch_kernelENS_6LayoutENS_12DispatchArgsE
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   LDC.U8 R2, c[0x0][0x2f1] ;             /* 0x0000bc40ff027b82 */
+        /*0020*/                   ULDC.64 UR4, c[0x0][0x3f0] ;           /* 0x0000fc0000047ab9 */
+        /*0030*/                   ULDC.64 UR8, c[0x0][0x208] ;           /* 0x0000820000087ab9 */
+        /*0040*/                   LDC R3, c[0x0][0x2c0] ;                /* 0x0000b000ff037b82 */
+        /*0050*/              @!P0 LDC.64 R4, c[0x0][R10+0x210] ;         /* 0x000084000a048b82 */
+        /*0060*/                   IMAD R5, R3, c[0x0][0x3f8], RZ ;       /* 0x0000fe0003057a24 */
+        /*0070*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_parameter_lines_in_order_of_first_read():
+    tool = _tool()
+    insns = next(iter(tool.parse_sass(PARAMS).values()))
+    pl = tool.param_lines(insns)
+    # 0x28 is below the parameter block; 0x2f1 and 0x2c0 share the line at 0x2c0, 0x3f0 and
+    # 0x3f8 the line at 0x3c0 (first read by instruction 2); the descriptor's 0x208 is at 0x200
+    assert pl["lines"] == [(0x2c0, 1), (0x3c0, 2), (0x200, 3)]
+    assert pl["indexed"] == 1
+
+
+def test_listing_prints_parameter_lines(tmp_path, capsys):
+    tool = _tool()
+    f = tmp_path / "k.sass"
+    f.write_text(PARAMS)
+    assert tool.main(["--sass", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "parameter lines read: 3 (line@first instruction: 0x2c0@1, 0x3c0@2, 0x200@3); " \
+           "1 indexed reads" in out, out
