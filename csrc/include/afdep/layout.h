@@ -156,7 +156,9 @@ enum TracePoint : int {
   kTrMasked = 13,  // dispatch sender: thread 0's last claimed token's route mask known (ids
                    // checked, duplicates matched), before its slot and metadata stores (CTA 0);
                    // FFN reply (expert layout): that item's receipt loaded; FFN receive
-                   // (expert layout, one token in all): thread 0's row known (lone_row)
+                   // (expert layout, one token in all): thread 0's row known (lone_row);
+                   // FFN receive (token layout, F_SETTLE_UNITS): thread 0's first load of
+                   // its first row's metadata units returned (fresh or not)
   kTrMaxStart = 14,  // latest CTA's kTrStart: against CTA 0's, how far apart the CTAs began
 };
 
