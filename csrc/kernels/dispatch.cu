@@ -1060,15 +1060,17 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     if (L.ll && s_form[g]) {  // flagged units: all loaded at once, then each one waited for
       int wi = 0;
       const uint64_t* ut = ll_token(L, ll_region(L, mine, ai, ch), j);
+      // traced only: thread 0's first row (at T = 1 the token's) stamps its metadata units'
+      // first load returned (settled units) and the units seen
+      const bool traced = L.trace != nullptr && tid == 0 && u == gw;
       // kRawRecv: the region's one token came from a lone sender CTA, with raw metadata
       if (kForm == kRawRecv && s_ahead[g] == kAheadRaw) {
         if (!load_raw_units(L, ut, llf, deadline, sr, tok, el, wi, col)) return;
       } else if (!load_token_units<kSettle>(L, ut, llf, deadline, sr, tok, nloc, el, wi, col,
-                                            L.trace != nullptr && tid == 0 && u == gw)) {
+                                            traced)) {
         return;
       }
-      // traced only: thread 0's first row (at T = 1 the token's), its metadata units seen
-      if (L.trace != nullptr && tid == 0 && u == gw) trace_mark(L, kTrLoaded, -1);
+      if (traced) trace_mark(L, kTrLoaded, -1);
       w = __int_as_float(wi);
       if (el < 0 || el >= L.El) col = -1;
     } else if (L.flags & F_EARLY_LOADS) {  // every entry's words with the header's, then masked
