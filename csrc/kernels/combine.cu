@@ -524,7 +524,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
   // instead of two dependent global loads in front of every row's remote stores
   __shared__ char* s_ab[kMaxAttn];
-  warm_params(L, a);
   pdl_wait(L);
   trace_begin(L);
   const int c = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -1462,7 +1462,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   constexpr bool kUnits = form_units(kForm);
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
-  warm_params(L, a);
   pdl_wait(L);
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
