@@ -11,7 +11,9 @@
 #      ROUNDS (default 2), TRACE_ARGS (default: token layout, T = 1 and 32, 2 fresh worlds;
 #      empty string: no trace),
 #      BENCH_ARGS (default: 1A1F H4096 BF16 random, both layouts, T = 1 32 512, afdep and
-#      symmetric; empty string: no benchmark), OUT (default ./gpu_out).
+#      symmetric; empty string: no benchmark), OUT (default ./gpu_out);
+#      TRACE_ARGS_HEAD, BENCH_ARGS_HEAD (and _BASE, _ALT): one side's own arguments, e.g. an
+#      afdep_alt arm whose --alt-env names a control only the head has.
 # Every tree is built in place first, all at once (scripts/build_inplace.py). Everything under
 # $OUT is packed into one bundle.tgz at the end (the device returns at most 8 files).
 set -u -o pipefail
@@ -23,6 +25,11 @@ SIDES="base head"
 if [ -n "${ALT:-}" ]; then ALT=$(cd "$ALT" && pwd); SIDES="base alt head"; fi
 # side_dir / side_commit NAME: the tree and commit of one side
 side_dir() { case $1 in base) echo "$BASE" ;; alt) echo "$ALT" ;; *) echo "$HEAD_DIR" ;; esac; }
+# side_args KIND SIDE: KIND_ARGS_SIDE (e.g. BENCH_ARGS_HEAD) where set, else KIND_ARGS
+side_args() {
+  local v="$1_ARGS_$(echo "$2" | tr a-z A-Z)" d="$1_ARGS"
+  if [ -n "${!v+x}" ]; then echo "${!v}"; else echo "${!d}"; fi
+}
 side_commit() {
   case $1 in base) echo "${BASE_COMMIT:-?}" ;; alt) echo "${ALT_COMMIT:-?}" ;;
     *) echo "${AFDEP_COMMIT:-?}" ;; esac
@@ -65,14 +72,15 @@ for ((i = 0; i < ROUNDS; ++i)); do
     dir=$(side_dir $side); commit=$(side_commit $side)
     # the tree's own package and extension: its in-place build, first on the path
     export PYTHONPATH="$dir:$HEAD_DIR/.carry/py"
-    if [ -n "$TRACE_ARGS" ]; then
+    targs=$(side_args TRACE $side); bargs=$(side_args BENCH $side)
+    if [ -n "$targs" ]; then
       (cd "$dir" && AFDEP_COMMIT="$commit" timeout 150 python3 -m benchmarks.trace \
-        --out "$OUT/trace-$side-$i.json" $TRACE_ARGS > "$OUT/trace-$side-$i.log" 2>&1)
+        --out "$OUT/trace-$side-$i.json" $targs > "$OUT/trace-$side-$i.log" 2>&1)
       stamp "trace $side round $i: rc=$?"
     fi
-    if [ -n "$BENCH_ARGS" ]; then
+    if [ -n "$bargs" ]; then
       (cd "$dir" && AFDEP_COMMIT="$commit" timeout 300 python3 -m benchmarks.run \
-        --out-dir "$OUT/bench-$side-$i" $BENCH_ARGS > "$OUT/bench-$side-$i.log" 2>&1)
+        --out-dir "$OUT/bench-$side-$i" $bargs > "$OUT/bench-$side-$i.log" 2>&1)
       stamp "bench $side round $i: rc=$?"
     fi
   done
@@ -80,10 +88,11 @@ done
 for i in $(seq 0 $((ROUNDS - 1))); do
   for side in $SIDES; do
     echo "== $side round $i"
-    [ -n "$TRACE_ARGS" ] &&
+    [ -n "$(side_args TRACE $side)" ] &&
       grep -E "A CTA0|kernel \(|kernels total|F reply|collect|offsets|expansion" \
         "$OUT/trace-$side-$i.log" | cut -c1-100 | head -14
-    [ -n "$BENCH_ARGS" ] && grep -E "^## 1A1F|^\| (afdep|symmetric), " "$OUT/bench-$side-$i.log"
+    [ -n "$(side_args BENCH $side)" ] &&
+      grep -E "^## 1A1F|^\| (afdep|afdep_alt|symmetric), " "$OUT/bench-$side-$i.log"
   done
 done
 bash "$HEAD_DIR/scripts/pack_out.sh"
