@@ -491,13 +491,8 @@ __device__ __forceinline__ char* peer_base(const Layout& L, int r) {
 // parameter block (the host's entries are 0 without it, and past kParamBases); otherwise the
 // role's rank table, then the peer table: two dependent global loads, which sat in front of
 // the dispatch's first remote store and of every reply row's.
-// own_window's base passes through an empty asm: written as one expression, the compiler
-// merged the two reads into one load from a selected address, and the parameter's side of it
-// became a global load of the parameter block (its generic address) in front of every use.
 __device__ __forceinline__ char* own_window(const Layout& L) {
-  uint64_t b = L.own_base;
-  asm("" : "+l"(b));
-  return b ? reinterpret_cast<char*>(b) : peer_base(L, L.rank);
+  return L.own_base ? reinterpret_cast<char*>(L.own_base) : peer_base(L, L.rank);
 }
 
 __device__ __forceinline__ char* ffn_window(const Layout& L, int f) {
