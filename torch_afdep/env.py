@@ -225,13 +225,6 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
-    _control("AFDEP_EARLY_UNITS", 23, 0,
-             "experimental, off by default (not yet run on a GPU): with AFDEP_SETTLE_UNITS, "
-             "each warp of the token layout's receive of flagged units loads its first row's "
-             "metadata units right after the count barrier, before the rest of its set-up "
-             "(CTA 0's token counts, the row's checks and addresses), so that the load's "
-             "latency overlaps that work; the same outputs; 0 = the units are first loaded "
-             "when the warp reaches its row"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -931,24 +931,6 @@ __device__ __forceinline__ bool settle_token_units(const Layout& L, const uint64
   return true;
 }
 
-// The first loads of a token's metadata units in this warp's lanes: its header (lanes 0, 1)
-// and entry `lane`'s id, weight and column (lanes below R; entries past the header's count
-// are masked by the caller); 0 where a lane loads nothing.
-struct TokenUnits {
-  uint64_t h, e, w, c;
-};
-__device__ __forceinline__ TokenUnits first_token_units(const Layout& L, const uint64_t* u) {
-  const int lane = threadIdx.x & 31;
-  TokenUnits f{0, 0, 0, 0};
-  if (lane < 2) f.h = ld_ll(u + lane);
-  if (lane < L.R) {
-    f.e = ld_ll(u + 2 + lane);
-    f.w = ld_ll(u + 2 + L.R + lane);
-    f.c = ld_ll(u + 2 + 2 * L.R + lane);
-  }
-  return f;
-}
-
 // Flagged units (F_LL_SMALL, F_LL_EXPERTS), one warp: token u's index and entry count (in
 // every lane) and lane r's entry r (its local id, weight bits, and column or position; -1, 0,
 // -1 from nloc on), all loaded at once (one latency), then each spun on until fresh. False
@@ -956,19 +938,12 @@ __device__ __forceinline__ TokenUnits first_token_units(const Layout& L, const u
 // Each unit is spun on in turn (the header, then each lane's id, weight and column), so a unit
 // that landed while an earlier one was spun on costs a load latency all the same (its first
 // load was stale). kSettle (F_SETTLE_UNITS): settle_token_units instead. stamp: as
-// settle_token_units'. preloaded (kSettle only): pre holds the units' first loads, issued
-// earlier (F_EARLY_UNITS); else they are loaded here.
+// settle_token_units'.
 template <bool kSettle = false>
 __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t* u, uint32_t llf,
                                                  uint64_t deadline, int sr, int& tok, int& nloc,
-                                                 int& el, int& wi, int& col, bool stamp = false,
-                                                 bool preloaded = false, TokenUnits pre = {}) {
+                                                 int& el, int& wi, int& col, bool stamp = false) {
   const int lane = threadIdx.x & 31;
-  if constexpr (kSettle) {
-    const TokenUnits f = preloaded ? pre : first_token_units(L, u);
-    return settle_token_units(L, u, llf, deadline, sr, f.h, f.e, f.w, f.c, stamp, tok, nloc, el,
-                              wi, col);
-  }
   uint64_t uh = 0, ue = 0, uw = 0, uc = 0;
   if (lane < 2) uh = ld_ll(u + lane);
   if (lane < L.R) {  // entries past the header's count are masked below
@@ -976,6 +951,9 @@ __device__ __forceinline__ bool load_token_units(const Layout& L, const uint64_t
     uw = ld_ll(u + 2 + L.R + lane);
     uc = ld_ll(u + 2 + 2 * L.R + lane);
   }
+  if constexpr (kSettle)
+    return settle_token_units(L, u, llf, deadline, sr, uh, ue, uw, uc, stamp, tok, nloc, el, wi,
+                              col);
   bool ok = true;
   constexpr int ph = kPhaseDispatch;
   if (lane < 2) ok = ll_settle(u + lane, uh, llf, deadline, L.err, ph, sr, L.rank, tok);
@@ -1058,18 +1036,6 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
     __syncthreads();
   }
   trace_mark(L, kTrReady, -1);
-  // F_EARLY_UNITS (kSettle): this warp's first row's metadata units, loaded before the rest of
-  // the set-up (CTA 0's token counts, the row's checks and addresses), so that the load's
-  // latency overlaps it. Loaded whether or not the row holds a token: a load that finds no
-  // token, or a unit of an earlier exchange, is only dropped or polled again.
-  const int w0 = c * kWarps + warp;  // the loop's first row (gw)
-  const bool early = kSettle && L.ll && (L.flags & F_EARLY_UNITS) && w0 < stride * nreg;
-  TokenUnits pre{0, 0, 0, 0};
-  if (early) {
-    const int j = fast_div(w0, L.div_nreg), g = w0 - j * nreg;
-    const int ai = fast_div(g, L.div_S);
-    pre = first_token_units(L, ll_token(L, ll_region(L, mine, ai, g - ai * L.S), j));
-  }
   if (c == 0) {
     for (int ai = tid; ai < L.A; ai += blockDim.x) {
       int sum = 0;
@@ -1101,7 +1067,7 @@ __device__ void place_tokens(const Layout& L, const DispatchArgs& a, uint64_t n,
       if (kForm == kRawRecv && s_ahead[g] == kAheadRaw) {
         if (!load_raw_units(L, ut, llf, deadline, sr, tok, el, wi, col)) return;
       } else if (!load_token_units<kSettle>(L, ut, llf, deadline, sr, tok, nloc, el, wi, col,
-                                            traced, early && u == gw, pre)) {
+                                            traced)) {
         return;
       }
       if (traced) trace_mark(L, kTrLoaded, -1);

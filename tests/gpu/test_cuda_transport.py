@@ -814,11 +814,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_EARLY_UNITS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-early_units"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -831,10 +830,9 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
-    default forms (the token layout's receive spinning on each metadata unit in turn);
-    early_units: AFDEP_EARLY_UNITS=1, the default forms (the settled receive's first loads
-    issued before its set-up). Where the token layout's receive settles its units (not
-    spin_each, not raw_meta), its wait splits at its first poll's return."""
+    default forms (the token layout's receive spinning on each metadata unit in turn). Where the
+    token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
+    its first poll's return."""
     import json
 
     from benchmarks import trace  # the repository root is on sys.path (pythonpath)
@@ -855,8 +853,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_EARLY_UNITS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -737,36 +737,18 @@ def test_token_layout_spin_each_graphs(layout, dtype_name):
                      ffn_receive_form="kSmallRecv")
 
 
-@pytest.mark.parametrize("layout,settle,early", [("1A1F", "1", "0"), ("3A1F", "1", "0"),
-                                                 ("1A1F", "0", "0"), ("1A1F", "1", "1"),
-                                                 ("3A1F", "1", "1")],
-                         ids=["1A1F", "3A1F", "1A1F-spin_each", "1A1F-early_units",
-                              "3A1F-early_units"])
-def test_token_layout_delayed_sender(layout, settle, early):
+@pytest.mark.parametrize("layout,settle", [("1A1F", "1"), ("3A1F", "1"), ("1A1F", "0")],
+                         ids=["1A1F", "3A1F", "1A1F-spin_each"])
+def test_token_layout_delayed_sender(layout, settle):
     """Regression guard for the receive of flagged units: every eager dispatch waits 20 ms on
     the GPU first (AFDEP_TEST_DISPATCH_DELAY_MS), so the FFN's receive polls the token's
     stale metadata units from the previous exchange that long (AFDEP_SETTLE_UNITS, on by
-    default: all of them at once; spin_each: each in turn; early_units: AFDEP_EARLY_UNITS=1,
-    whose first loads, issued before the set-up, find them stale) and must take only the new
-    ones. Every row exact, then the graphs' 100 checked replays."""
+    default: all of them at once; spin_each: each in turn) and must take only the new ones.
+    Every row exact, then the graphs' 100 checked replays."""
     run_token_graphs(layout, "bfloat16",
                      env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": settle,
-                          "AFDEP_EARLY_UNITS": early,
                           "AFDEP_TEST_DISPATCH_DELAY_MS": "20"}, cap=4, zero_copy=True,
                      attention_send_form="kSmallSend", ffn_receive_form="kSmallRecv")
-
-
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
-def test_token_layout_early_units_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_EARLY_UNITS=1 (experimental, off by
-    default): each warp of the settled receive loads its first row's metadata units before
-    its set-up (2A2F and 3A1F: rows of several regions, most of them empty; 1A3F: a token's
-    units at three FFN ranks). Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name,
-                     env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_UNITS": "1"}, cap=4,
-                     zero_copy=True, attention_send_form="kSmallSend",
-                     ffn_receive_form="kSmallRecv")
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
@@ -794,15 +776,6 @@ def test_token_layout_spin_each_sanitizer_small():
     runs the default, settled) under memcheck: the receive spinning on each metadata unit."""
     res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
                                   env={"AFDEP_LL_SMALL": "1", "AFDEP_SETTLE_UNITS": "0"},
-                                  timeout=900)
-    _check_small(res, "bfloat16")
-
-
-def test_token_layout_early_units_sanitizer_small():
-    """test_token_layout_ll_small_sanitizer_small (BF16) with AFDEP_EARLY_UNITS=1 under
-    memcheck: the settled receive's early loads of each warp's first row's units."""
-    res = devices.spawn_gpu_world(token_graph_body, 2, 1, 1, "bfloat16", 10, 4, True,
-                                  env={"AFDEP_LL_SMALL": "1", "AFDEP_EARLY_UNITS": "1"},
                                   timeout=900)
     _check_small(res, "bfloat16")
 

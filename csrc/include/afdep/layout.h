@@ -61,9 +61,7 @@ namespace afdep {
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
                                sender's claim and the expert layout's lone receive */         \
   X(SETTLE_UNITS, 29)       /* the token layout's receive of flagged units polls a token's    \
-                               metadata units together, not one after another */              \
-  X(EARLY_UNITS, 23)        /* ... loading each warp's first row's units before the rest of   \
-                               its set-up (token layout; experimental) */
+                               metadata units together, not one after another */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
