@@ -6,12 +6,18 @@
 // latencies, and on a GPU that ranks share the other rank's waiting CTAs spin beside them.
 // Build and run (prints one JSON object):
 //   nvcc -O3 -arch=sm_90a -o /tmp/poll_probe scripts/poll_probe.cu && /tmp/poll_probe
+// Two processes on one GPU (under a CUDA MPS daemon, as the benchmarks' ranks share it), each
+// with its own window opened by the other through a CUDA IPC handle, as the library's ranks:
+//   d=$(mktemp -d); /tmp/poll_probe ipc 1 $d & /tmp/poll_probe ipc 0 $d; wait
+// (rank 0 prints the flag round trips, relaxed stores and fenced release stores)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                        \
@@ -36,6 +42,14 @@ __device__ __forceinline__ uint64_t ld_sys(const uint64_t* p) {
 __device__ __forceinline__ void st_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// the library's signal: a system fence, then the flag (release = a second fence in front)
+__device__ __forceinline__ void st_rel_sys(uint64_t* p, uint64_t v) {
+  asm volatile("fence.acq_rel.sys;\n\tst.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
+               : "memory");
+}
+__device__ __forceinline__ void put(uint64_t* p, uint64_t v, bool release) {
+  if (release) st_rel_sys(p, v); else st_sys(p, v);
+}
 
 struct Args {
   uint64_t* chain;   // [kChain * 16]: a pointer chase, one 128-B line a step
@@ -43,7 +57,7 @@ struct Args {
   uint64_t* polled;  // [pollers' flags, one line each]
   uint64_t* stop;    // set when the measurement is over
   uint64_t* out;     // [4]: chain ns per load, ping-pong ns per round trip, spins, -
-  int steps, rounds, poll_sleep_ns, poll_lines;
+  int steps, rounds, poll_sleep_ns, poll_lines, release;
 };
 constexpr int kChain = 64;
 
@@ -53,7 +67,12 @@ constexpr int kChain = 64;
 __global__ void probe(Args a) {
   const int c = blockIdx.x;
   if (c >= 2) {
-    const uint64_t* f = a.polled + 16 * ((c * blockDim.x + threadIdx.x) % a.poll_lines);
+    // poll_lines < 0: every poller spins on the ping word's line itself (the flag the
+    // measured round trip writes), as a receive's waiting threads spin on the lines the
+    // sender's stores land in
+    const uint64_t* f = a.poll_lines < 0
+                            ? a.ping
+                            : a.polled + 16 * ((c * blockDim.x + threadIdx.x) % a.poll_lines);
     uint64_t spins = 0, sink = 0;
     while (ld_sys(a.stop) == 0) {
       sink += ld_sys(f);
@@ -77,7 +96,7 @@ __global__ void probe(Args a) {
     a.out[0] = (e - s) / (uint64_t)a.steps + (idx == 999999 ? 1 : 0);
     const uint64_t p0 = now_ns();
     for (int r = 1; r <= a.rounds; ++r) {
-      st_sys(a.ping, (uint64_t)r);
+      put(a.ping, (uint64_t)r, a.release);
       while (ld_sys(a.ping + 16) != (uint64_t)r) {
       }
     }
@@ -87,7 +106,142 @@ __global__ void probe(Args a) {
     for (int r = 1; r <= a.rounds; ++r) {
       while (ld_sys(a.ping) != (uint64_t)r) {
       }
-      st_sys(a.ping + 16, (uint64_t)r);
+      put(a.ping + 16, (uint64_t)r, a.release);
+    }
+  }
+}
+
+// One token's crossing as the T = 1 exchange sends it: CTA 0 (512 threads) writes 26
+// metadata units (warp 0, first) and an 8 KB row as 16 KB of flagged units (each thread one
+// 16-byte vector as four 8-byte units, two 16-byte stores); CTA 1 (512 threads) polls them
+// all until every one carries the round's flag (warp 0 the metadata, each thread its row
+// vector's units). out[r]: ns from the sender's first store to the receiver's "all seen";
+// out[rounds + r]: to warp 0 of the receiver seeing the metadata. contiguous: a warp's first
+// store instruction writes the first halves of its 32 vectors as 512 contiguous bytes and the
+// second the second halves (the library's rows: each lane's 32 bytes in turn, every
+// instruction half-filling 1 KB). gpu_scope: the row's stores at .gpu scope (enough on one
+// GPU, not across GPUs). sleepy: each receiver thread sleeps 200 ns between polls of its row
+// units (is it the polling that slows the stores?).
+constexpr int kMetaUnits = 26, kRowVecs = 512;
+__global__ void crossing(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t* out,
+                         int rounds, int contiguous, int gpu_scope, int sleepy) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint64_t deadline = now_ns() + 5000000000ull;
+  // unit index of half h (0, 1) of vector v
+  auto unit = [&](int v, int h) {
+    return contiguous ? 128 * (v >> 5) + 64 * h + 2 * (v & 31) : 4 * v + 2 * h;
+  };
+  __shared__ int s_quit;
+  if (tid == 0) s_quit = 0;
+  __syncthreads();
+  for (int r = 1; r <= rounds; ++r) {
+    const uint64_t f = (uint64_t)r << 32;
+    if (blockIdx.x == 0) {
+      if (tid == 0) {  // the receiver is polling round r
+        while (ld_sys(sync) != (uint64_t)r)
+          if (now_ns() > deadline) { s_quit = 1; break; }
+        st_sys(sync + 16, now_ns());
+      }
+      __syncthreads();
+      if (s_quit) return;
+      if (warp == 0 && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
+      const int v = tid;
+      uint64_t* p0 = row + unit(v, 0);
+      uint64_t* p1 = row + unit(v, 1);
+      if (gpu_scope) {
+        asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(p0), "l"(f | 1),
+                     "l"(f | 2) : "memory");
+        asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(p1), "l"(f | 3),
+                     "l"(f | 4) : "memory");
+      } else {
+        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p0), "l"(f | 1),
+                     "l"(f | 2) : "memory");
+        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p1), "l"(f | 3),
+                     "l"(f | 4) : "memory");
+      }
+      __syncthreads();
+    } else {
+      if (tid == 0) st_sys(sync, (uint64_t)r);
+      bool ok = true;
+      if (warp == 0 && lane < kMetaUnits) {
+        while ((ld_sys(meta + lane) >> 32) != (uint64_t)r)
+          if (now_ns() > deadline) { ok = false; break; }
+      }
+      __syncwarp();
+      const uint64_t tm = now_ns();
+      const int v = tid;
+      for (int h = 0; h < 2 && ok; ++h) {
+        const uint64_t* p = row + unit(v, h);
+        while ((ld_sys(p) >> 32) != (uint64_t)r || (ld_sys(p + 1) >> 32) != (uint64_t)r) {
+          if (now_ns() > deadline) { ok = false; break; }
+          if (sleepy) __nanosleep(200);
+        }
+      }
+      const bool all = __syncthreads_and(ok);
+      if (!all) return;
+      if (tid == 0) {
+        const uint64_t t0 = ld_sys(sync + 16), t1 = now_ns();
+        out[r - 1] = t1 - t0;
+        out[rounds + r - 1] = tm - t0;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The same row sent by G CTAs (CTA g: vectors [g * 512 / G, (g + 1) * 512 / G), each thread
+// up to one vector; CTA 0's warp 0 also the metadata) and polled by G receiver CTAs (CTA G + g
+// polls the same slice; CTA G's warp 0 the metadata). out[r]: ns from the first sender's
+// first store to the last receiver CTA's "all seen".
+__global__ void crossing_spread(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t* out,
+                                int rounds, int G) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool sender = blockIdx.x < G;
+  const int g = sender ? blockIdx.x : blockIdx.x - G;
+  const int per = kRowVecs / G, v = g * per + tid;
+  const bool mine = tid < per;
+  const uint64_t deadline = now_ns() + 5000000000ull;
+  __shared__ int s_quit;
+  if (tid == 0) s_quit = 0;
+  __syncthreads();
+  for (int r = 1; r <= rounds; ++r) {
+    const uint64_t f = (uint64_t)r << 32;
+    if (sender) {
+      if (tid == 0) {  // every receiver CTA is polling round r
+        while (ld_sys(sync + 32 * g) != (uint64_t)r)
+          if (now_ns() > deadline) { s_quit = 1; break; }
+        if (g == 0) st_sys(sync + 16, now_ns());
+      }
+      __syncthreads();
+      if (s_quit) return;
+      if (g == 0 && warp == 0 && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
+      if (mine) {
+        uint64_t* p = row + 4 * v;
+        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(f | 1),
+                     "l"(f | 2) : "memory");
+        asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p + 2), "l"(f | 3),
+                     "l"(f | 4) : "memory");
+      }
+      __syncthreads();
+    } else {
+      if (tid == 0) st_sys(sync + 32 * g, (uint64_t)r);
+      bool ok = true;
+      if (g == 0 && warp == 0 && lane < kMetaUnits) {
+        while ((ld_sys(meta + lane) >> 32) != (uint64_t)r)
+          if (now_ns() > deadline) { ok = false; break; }
+      }
+      for (int h = 0; h < 4 && ok && mine; ++h) {
+        const uint64_t* p = row + 4 * v + h;
+        while ((ld_sys(p) >> 32) != (uint64_t)r)
+          if (now_ns() > deadline) { ok = false; break; }
+      }
+      if (!__syncthreads_and(ok)) return;
+      if (tid == 0) {
+        const uint64_t t0 = ld_sys(sync + 16), t1 = now_ns();
+        atomicMax(reinterpret_cast<unsigned long long*>(out + r - 1),
+                  (unsigned long long)(t1 - t0));
+      }
+      __syncthreads();
     }
   }
 }
@@ -109,7 +263,75 @@ __global__ void sleep_probe(int n, int reps, uint64_t* out) {
   *out = (now_ns() - s) / (uint64_t)reps;
 }
 
-int main() {
+// Two processes: each writes the other's window and spins on its own (word 0: the ping-pong,
+// word 16: a start handshake, so that both kernels run before the timing starts).
+__global__ void ipc_ping(uint64_t* mine, uint64_t* theirs, int initiator, int rounds,
+                         uint64_t* out) {
+  const uint64_t deadline = now_ns() + 5000000000ull;
+  st_sys(theirs + 16, 1);
+  while (ld_sys(mine + 16) != 1)
+    if (now_ns() > deadline) return;
+  for (int release = 0; release < 2; ++release) {
+    const uint64_t base = (uint64_t)release * rounds;
+    const uint64_t s = now_ns();
+    for (int r = 1; r <= rounds; ++r) {
+      const uint64_t v = base + (uint64_t)r;
+      if (initiator) put(theirs, v, release);
+      while (ld_sys(mine) != v)
+        if (now_ns() > deadline) return;
+      if (!initiator) put(theirs, v, release);
+    }
+    out[release] = (now_ns() - s) / (uint64_t)rounds;
+  }
+}
+
+static int ipc_main(int rank, const char* dir) {
+  uint64_t *win, *out;
+  CK(cudaMalloc(&win, 4096));
+  CK(cudaMemset(win, 0, 4096));
+  CK(cudaMalloc(&out, 2 * 8));
+  CK(cudaMemset(out, 0, 2 * 8));
+  CK(cudaDeviceSynchronize());
+  cudaIpcMemHandle_t h;
+  CK(cudaIpcGetMemHandle(&h, win));
+  char path[512], tmp[520];
+  std::snprintf(path, sizeof path, "%s/h%d.bin", dir, rank);
+  std::snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE* f = std::fopen(tmp, "wb");
+  std::fwrite(&h, sizeof h, 1, f);
+  std::fclose(f);
+  std::rename(tmp, path);  // whole, or not there
+  std::snprintf(path, sizeof path, "%s/h%d.bin", dir, 1 - rank);
+  cudaIpcMemHandle_t ph;
+  for (int i = 0;; ++i) {
+    f = std::fopen(path, "rb");
+    if (f != nullptr && std::fread(&ph, sizeof ph, 1, f) == 1) break;
+    if (f != nullptr) std::fclose(f);
+    if (i > 100000) {
+      std::fprintf(stderr, "rank %d: no handle from the peer\n", rank);
+      return 1;
+    }
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, nullptr);
+  }
+  std::fclose(f);
+  void* theirs = nullptr;
+  CK(cudaIpcOpenMemHandle(&theirs, ph, cudaIpcMemLazyEnablePeerAccess));
+  const int rounds = 2000;
+  ipc_ping<<<1, 32>>>(win, static_cast<uint64_t*>(theirs), rank == 0, rounds, out);
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  uint64_t o[2];
+  CK(cudaMemcpy(o, out, sizeof o, cudaMemcpyDeviceToHost));
+  if (rank == 0)
+    std::printf("{\"ipc_round_trip_ns\": {\"relaxed\": %llu, \"release\": %llu}}\n",
+                (unsigned long long)o[0], (unsigned long long)o[1]);
+  CK(cudaIpcCloseMemHandle(theirs));
+  return o[0] && o[1] ? 0 : 1;  // 0 ns: a wait timed out
+}
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   uint64_t *chain, *ping, *polled, *stop, *out;
@@ -158,19 +380,75 @@ int main() {
                 names[mode], (unsigned long long)v[0], (unsigned long long)v[reps / 2],
                 (unsigned long long)v[reps - 1]);
   }
+  // one token's crossing, both store patterns (medians over rounds; the first 10 dropped)
+  {
+    const int rounds = 210;
+    uint64_t *meta, *row, *sync, *cout;
+    CK(cudaMalloc(&meta, 64 * 8));
+    CK(cudaMalloc(&row, 4 * kRowVecs * 8));
+    CK(cudaMalloc(&sync, 32 * 8));
+    CK(cudaMalloc(&cout, 2 * rounds * 8));
+    std::printf("}, \"crossing_ns\": {");
+    const char* names[] = {"per_lane", "contiguous", "gpu_scope", "sleepy_receiver"};
+    const int modes[4][3] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}};
+    for (int m = 0; m < 4; ++m) {
+      CK(cudaMemset(meta, 0, 64 * 8));
+      CK(cudaMemset(row, 0, 4 * kRowVecs * 8));
+      CK(cudaMemset(sync, 0, 32 * 8));
+      crossing<<<2, 512>>>(meta, row, sync, cout, rounds, modes[m][0], modes[m][1], modes[m][2]);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<uint64_t> v(2 * rounds);
+      CK(cudaMemcpy(v.data(), cout, v.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<uint64_t> all(v.begin() + 10, v.begin() + rounds);
+      std::vector<uint64_t> md(v.begin() + rounds + 10, v.end());
+      std::sort(all.begin(), all.end());
+      std::sort(md.begin(), md.end());
+      std::printf("%s\"%s\": {\"all_units_median\": %llu, \"metadata_median\": %llu}",
+                  m ? ", " : "", names[m],
+                  (unsigned long long)all[all.size() / 2], (unsigned long long)md[md.size() / 2]);
+    }
+  }
+  // the row spread over G sender CTAs and G receiver CTAs
+  {
+    const int rounds = 210;
+    uint64_t *meta, *row, *sync, *cout;
+    CK(cudaMalloc(&meta, 64 * 8));
+    CK(cudaMalloc(&row, 4 * kRowVecs * 8));
+    CK(cudaMalloc(&sync, 32 * 16 * 8));
+    CK(cudaMalloc(&cout, rounds * 8));
+    std::printf("}, \"spread_crossing_ns\": {");
+    const int gs[] = {1, 2, 4, 8};
+    for (int i = 0; i < 4; ++i) {
+      CK(cudaMemset(meta, 0, 64 * 8));
+      CK(cudaMemset(row, 0, 4 * kRowVecs * 8));
+      CK(cudaMemset(sync, 0, 32 * 16 * 8));
+      CK(cudaMemset(cout, 0, rounds * 8));
+      crossing_spread<<<2 * gs[i], 512>>>(meta, row, sync, cout, rounds, gs[i]);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<uint64_t> v(rounds);
+      CK(cudaMemcpy(v.data(), cout, v.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<uint64_t> all(v.begin() + 10, v.end());
+      std::sort(all.begin(), all.end());
+      std::printf("%s\"%d\": %llu", i ? ", " : "", gs[i], (unsigned long long)all[all.size() / 2]);
+    }
+  }
   std::printf("}, \"cases\": [");
   // pollers: CTAs x threads, lines they spread over, sleep between polls
-  struct Case { int ctas, threads, lines, sleep; };
+  struct Case { int ctas, threads, lines, sleep, release = 0; };
   const Case cases[] = {{0, 32, 1, 0},     {12, 32, 24, 0},   {12, 512, 24, 0},
                         {12, 32, 24, 100}, {12, 512, 24, 100}, {12, 512, 24, 500},
-                        {22, 512, 512, 0}, {22, 512, 512, 100}};
+                        {22, 512, 512, 0}, {22, 512, 512, 100}, {12, 32, -1, 0},
+                        {12, 512, -1, 0},  {12, 512, -1, 100}, {12, 512, -1, 500},
+                        {0, 32, 1, 0, 1}};
   bool first = true;
   for (const Case& k : cases) {
     for (int rep = 0; rep < 3; ++rep) {
       CK(cudaMemset(ping, 0, 32 * 8));
       CK(cudaMemset(stop, 0, 8));
       CK(cudaMemset(out, 0, 4 * 8));
-      Args a{chain, ping, polled, stop, out, 2000, 2000, k.sleep, k.lines};
+      Args a{chain, ping, polled, stop, out, 2000, 2000, k.sleep, k.lines, k.release};
       const int grid = 2 + std::min(k.ctas, sms - 2);
       probe<<<grid, k.ctas ? k.threads : 32>>>(a);
       CK(cudaGetLastError());
@@ -178,9 +456,10 @@ int main() {
       uint64_t o[4];
       CK(cudaMemcpy(o, out, sizeof o, cudaMemcpyDeviceToHost));
       std::printf("%s{\"poll_ctas\": %d, \"poll_threads\": %d, \"poll_lines\": %d, "
-                  "\"poll_sleep_ns\": %d, \"rep\": %d, \"load_ns\": %llu, "
+                  "\"poll_sleep_ns\": %d, \"release\": %d, \"rep\": %d, \"load_ns\": %llu, "
                   "\"round_trip_ns\": %llu, \"poll_spins\": %llu}",
-                  first ? "" : ", ", k.ctas, k.ctas ? k.threads : 0, k.lines, k.sleep, rep,
+                  first ? "" : ", ", k.ctas, k.ctas ? k.threads : 0, k.lines, k.sleep,
+                  k.release, rep,
                   (unsigned long long)o[0], (unsigned long long)o[1],
                   (unsigned long long)o[2]);
       first = false;
