@@ -225,6 +225,14 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
+    _control("AFDEP_LL_CONTIG", 8, 0,
+             "experimental, off by default (not yet run on a GPU): rows sent as flagged units "
+             "(the dispatch's rows in both layouts, the reply's rows) place each 16-byte "
+             "vector's two halves in groups of 32 vectors, the group's first halves and then "
+             "its second halves, so that a warp's store of its lanes' halves writes 512 "
+             "contiguous bytes instead of every other 16 bytes of 1 KB (scripts/poll_probe.cu "
+             "on one H100: one token's 16 KB of row units land 0.1-0.35 us sooner); the same "
+             "outputs; 0 = a vector's four units adjacent"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

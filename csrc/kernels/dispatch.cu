@@ -262,8 +262,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       if (slot < 0) continue;
       char* const b = kLone ? ffn_window(L, fd) : fb[fd];
       if (llf) {
-        st_ll_vec(ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints + 4 * col, p.v[j],
-                  llf);
+        st_ll_vec(ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints,
+                  ll_vec_at(col, nv, ll_contig(L)), p.v[j], llf);
         continue;
       }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
@@ -797,7 +797,8 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
     bool ok = true;
     for (int v = h * cv + lane; v < min(nv, h * cv + cv) && ok; v += 32) {
       int4 x;
-      ok = wait_ll_vec(ut + 4 * v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
+      ok = wait_ll_vec(ut, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err, kPhaseDispatch,
+                       sr, L.rank, x);
       if (ok) dst[v] = x;
     }
     if (h == 0 && L.scale_cols) {
@@ -1208,7 +1209,8 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
           ll_fresh(x3, llf))
         x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
       else
-        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
+        got = wait_ll_vec(ur, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err,
+                          kPhaseDispatch, sr, L.rank, x);
     }
     for (unsigned m = rows; m != 0; m &= m - 1) {
       const int dr = __shfl_sync(kFull, row, __ffs(m) - 1);
@@ -1321,8 +1323,9 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     // this lane's first vector of the chunk loads with the metadata: one latency for both
     uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
     if (v0 + lane < v1) {
-      ld_ll2(ur + 4 * (size_t)(v0 + lane), x0, x1);
-      ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
+      const LLVecAt at = ll_vec_at(v0 + lane, nv, ll_contig(L));
+      ld_ll2(ur + at.lo, x0, x1);
+      ld_ll2(ur + at.hi, x2, x3);
     }
     int tok, nloc, el, wi, pos;
     if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
@@ -1358,7 +1361,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
           ll_fresh(x3, llf))
         x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
       else
-        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
+        got = wait_ll_vec(ur, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err,
+                          kPhaseDispatch, sr, L.rank, x);
       if (got) dst[v] = x;
     }
     if (h == 0 && L.scale_cols) {

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_afdep import env
+from torch_afdep import env as _env
 
 from tests.helpers import fuzz_bodies as fz
 from tests.helpers.devices import spawn_on
@@ -60,10 +60,10 @@ REGRESSION_SEEDS: list = []
 
 
 def _seeds() -> list:
-    only = env.get("AFDEP_FUZZ_SEED").strip()
+    only = _env.get("AFDEP_FUZZ_SEED").strip()
     if only:
         return [int(s) for s in only.split(",") if s.strip()]
-    n = env.get("AFDEP_FUZZ_SEEDS") or NUM_CONFIGS
+    n = _env.get("AFDEP_FUZZ_SEEDS") or NUM_CONFIGS
     return sorted(set(range(n)) | set(REGRESSION_SEEDS))
 
 
@@ -111,12 +111,26 @@ def test_default_seeds_cover_the_edges():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fuzz_exchanges(world, device):
+    _fuzz(world, device)
+
+
+@pytest.mark.devices("cuda")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fuzz_exchanges_ll_contig(world, device):
+    """The CUDA configurations with AFDEP_LL_CONTIG=1 (experimental, off by default): rows sent
+    as flagged units take their vectors' halves in groups of 32, and the fuzz's sizes give
+    rows of 1, 2, 8, 16, 17 and 32 vectors (groups that end short, and rows of one short
+    group), in both layouts, the dispatch's rows and the reply's."""
+    _fuzz(world, device, env={"AFDEP_LL_CONTIG": "1"})
+
+
+def _fuzz(world, device, env=None):
     seeds = WORLDS.get(world, [])
-    if device == "cuda" and not (env.get("AFDEP_FUZZ_SEEDS") or env.get("AFDEP_FUZZ_SEED")):
+    if device == "cuda" and not (_env.get("AFDEP_FUZZ_SEEDS") or _env.get("AFDEP_FUZZ_SEED")):
         seeds = [s for s in seeds if s < GPU_CONFIGS or s in REGRESSION_SEEDS]
     if not seeds:
         pytest.skip(f"no seed of this run has world size {world}")
-    results = spawn_on(device, fz.fuzz_world, world, seeds,
+    results = spawn_on(device, fz.fuzz_world, world, seeds, env=env,
                        timeout=120 + 15 * len(seeds))
     problems = []
     for rank, per_seed in enumerate(results):

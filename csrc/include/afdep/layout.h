@@ -61,7 +61,9 @@ namespace afdep {
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
                                sender's claim and the expert layout's lone receive */         \
   X(SETTLE_UNITS, 29)       /* the token layout's receive of flagged units polls a token's    \
-                               metadata units together, not one after another */
+                               metadata units together, not one after another */              \
+  X(LL_CONTIG, 8)           /* rows as flagged units: a warp's store of its lanes' half       \
+                               vectors writes 512 contiguous bytes (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
