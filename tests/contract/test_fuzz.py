@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_afdep import env as _env
+from torch_afdep import env
 
 from tests.helpers import fuzz_bodies as fz
 from tests.helpers.devices import spawn_on
@@ -60,10 +60,10 @@ REGRESSION_SEEDS: list = []
 
 
 def _seeds() -> list:
-    only = _env.get("AFDEP_FUZZ_SEED").strip()
+    only = env.get("AFDEP_FUZZ_SEED").strip()
     if only:
         return [int(s) for s in only.split(",") if s.strip()]
-    n = _env.get("AFDEP_FUZZ_SEEDS") or NUM_CONFIGS
+    n = env.get("AFDEP_FUZZ_SEEDS") or NUM_CONFIGS
     return sorted(set(range(n)) | set(REGRESSION_SEEDS))
 
 
@@ -121,16 +121,16 @@ def test_fuzz_exchanges_ll_contig(world, device):
     as flagged units take their vectors' halves in groups of 32, and the fuzz's sizes give
     rows of 1, 2, 8, 16, 17 and 32 vectors (groups that end short, and rows of one short
     group), in both layouts, the dispatch's rows and the reply's."""
-    _fuzz(world, device, env={"AFDEP_LL_CONTIG": "1"})
+    _fuzz(world, device, extra_env={"AFDEP_LL_CONTIG": "1"})
 
 
-def _fuzz(world, device, env=None):
+def _fuzz(world, device, extra_env=None):
     seeds = WORLDS.get(world, [])
-    if device == "cuda" and not (_env.get("AFDEP_FUZZ_SEEDS") or _env.get("AFDEP_FUZZ_SEED")):
+    if device == "cuda" and not (env.get("AFDEP_FUZZ_SEEDS") or env.get("AFDEP_FUZZ_SEED")):
         seeds = [s for s in seeds if s < GPU_CONFIGS or s in REGRESSION_SEEDS]
     if not seeds:
         pytest.skip(f"no seed of this run has world size {world}")
-    results = spawn_on(device, fz.fuzz_world, world, seeds, env=env,
+    results = spawn_on(device, fz.fuzz_world, world, seeds, env=extra_env,
                        timeout=120 + 15 * len(seeds))
     problems = []
     for rank, per_seed in enumerate(results):
