@@ -10,6 +10,8 @@
 // with its own window opened by the other through a CUDA IPC handle, as the library's ranks:
 //   d=$(mktemp -d); /tmp/poll_probe ipc 1 $d & /tmp/poll_probe ipc 0 $d; wait
 // (rank 0 prints the flag round trips, relaxed stores and fenced release stores)
+// A row's crossing by format (flagged 8-byte units or 128-byte lines), size and sender CTAs:
+//   /tmp/poll_probe rows
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -246,6 +248,88 @@ __global__ void crossing_spread(uint64_t* meta, uint64_t* row, uint64_t* sync, u
   }
 }
 
+// A row's crossing by format, size and sender CTAs: G sender CTAs (512 threads) store a row of
+// `data` bytes, one 16-byte store per slot, slots dealt out in order (CTA g: slots [512 g,
+// 512 g + 512), then [512 (G + g), ...) ...), so a warp's store instruction writes 512
+// contiguous bytes); one receiver CTA (512 threads) polls every slot until it carries the
+// round and checks its data. fmt 0: flagged 8-byte units (4 bytes of data, 4 of flag, as the
+// library's rows; a slot = 8 bytes of data). fmt 1: 128-byte lines, each 8 slots, whose last
+// 8 bytes are the flag (120 bytes of data a line); the receiver takes a line only when its
+// flag is the round's, then checks all 8 slots: `tears` counts lines whose flag was seen
+// before their data (a 128-byte store's parts arriving apart). out[r]: ns from the first
+// sender's first store to the receiver's "all seen".
+__device__ __forceinline__ void ld_sys2(const uint64_t* p, uint64_t& x, uint64_t& y) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(x), "=l"(y) : "l"(p)
+               : "memory");
+}
+__device__ __forceinline__ void st_sys2(uint64_t* p, uint64_t x, uint64_t y) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(x), "l"(y)
+               : "memory");
+}
+__device__ __forceinline__ uint64_t row_word(int fmt, uint32_t r, int s, int j) {
+  // fmt 0: flag r in the high half of each unit; fmt 1: data words (the flag word is r)
+  return fmt == 0 ? ((uint64_t)r << 32) | (uint32_t)(2 * s + j)
+                  : ((uint64_t)(r * 2654435761u) << 32) | (uint32_t)(2 * s + j);
+}
+__global__ void crossing_fmt(uint64_t* row, uint64_t* sync, uint64_t* out, uint64_t* tears,
+                             int rounds, int fmt, int slots, int G) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const bool sender = blockIdx.x < G;
+  const uint64_t deadline = now_ns() + 5000000000ull;
+  __shared__ int s_quit;
+  if (tid == 0) s_quit = 0;
+  __syncthreads();
+  for (int r = 1; r <= rounds; ++r) {
+    if (sender) {
+      const int g = blockIdx.x;
+      if (tid == 0) {  // the receiver is polling round r
+        while (ld_sys(sync) != (uint64_t)r)
+          if (now_ns() > deadline) { s_quit = 1; break; }
+        if (g == 0) st_sys(sync + 16, now_ns());
+      }
+      __syncthreads();
+      if (s_quit) return;
+      for (int s = 512 * g + tid; s < slots; s += 512 * G) {
+        const bool flag_slot = fmt == 1 && (s & 7) == 7;
+        st_sys2(row + 2 * s, row_word(fmt, r, s, 0),
+                flag_slot ? (uint64_t)r : row_word(fmt, r, s, 1));
+      }
+      __syncthreads();
+    } else {
+      if (tid == 0) st_sys(sync, (uint64_t)r);
+      bool ok = true;
+      uint64_t torn = 0;
+      for (int base = tid - lane; base < slots && ok; base += 512) {
+        const int s = base + lane;
+        const bool have = s < slots;
+        for (;;) {
+          uint64_t x = 0, y = 0;
+          if (have) ld_sys2(row + 2 * s, x, y);
+          bool seen;
+          if (fmt == 0) {
+            seen = !have || ((x >> 32) == (uint64_t)r && (y >> 32) == (uint64_t)r);
+          } else {  // the line's flag (its slot 7), then every slot's data
+            const bool fl = __shfl_sync(0xffffffffu, y, lane | 7) == (uint64_t)r;
+            const bool good = !have || (x == row_word(1, r, s, 0) &&
+                                        ((s & 7) == 7 || y == row_word(1, r, s, 1)));
+            const unsigned bad = __ballot_sync(0xffffffffu, !good);
+            const bool mine_good = ((bad >> (lane & ~7)) & 0xffu) == 0;
+            if (fl && !mine_good && (lane & 7) == 0) ++torn;  // polls, not lines
+            seen = !have || (fl && mine_good);
+          }
+          if (__all_sync(0xffffffffu, seen)) break;
+          if (now_ns() > deadline) { ok = false; break; }
+        }
+      }
+      const bool all = __syncthreads_and(ok);
+      if (torn) atomicAdd(reinterpret_cast<unsigned long long*>(tears), torn);
+      if (!all) return;
+      if (tid == 0) out[r - 1] = now_ns() - ld_sys(sync + 16);
+      __syncthreads();
+    }
+  }
+}
+
 // A kernel's first load: one thread stamps, loads p (written by `writer` just before, or not),
 // branches on the value (which waits for it) and stamps again; out[i] = the ns between.
 __global__ void writer(uint64_t* p, uint64_t v) { st_sys(p, v); }
@@ -330,8 +414,54 @@ static int ipc_main(int rank, const char* dir) {
   return o[0] && o[1] ? 0 : 1;  // 0 ns: a wait timed out
 }
 
+// rows mode: crossing_fmt's cases, one JSON object
+static int rows_main() {
+  const int rounds = 210, max_slots = 4096;
+  uint64_t *row, *sync, *out, *tears;
+  CK(cudaMalloc(&row, 2 * max_slots * 8));
+  CK(cudaMalloc(&sync, 32 * 8));
+  CK(cudaMalloc(&out, rounds * 8));
+  CK(cudaMalloc(&tears, 8));
+  struct Case { int fmt, data, G; };
+  // 8 KB (a 4,096-wide BF16 row) as units and as lines, from 1, 2, 4 CTAs; smaller rows as
+  // units (does the time follow the bytes?); 16 KB as lines (the same bytes as 8 KB as units)
+  const Case cases[] = {{0, 8192, 1}, {1, 8192, 1}, {0, 8192, 2}, {1, 8192, 2},
+                        {0, 8192, 4}, {1, 8192, 4}, {0, 4096, 1}, {0, 2048, 1},
+                        {0, 512, 1},  {1, 4096, 1}, {1, 16384, 1}, {0, 16384, 1}};
+  std::printf("{\"rounds\": %d, \"cases\": [", rounds - 10);
+  bool first = true;
+  for (const Case& k : cases) {
+    const int slots = k.fmt == 0 ? k.data / 8 : 8 * ((k.data + 119) / 120);
+    for (int rep = 0; rep < 2; ++rep) {
+      CK(cudaMemset(row, 0, 2 * max_slots * 8));
+      CK(cudaMemset(sync, 0, 32 * 8));
+      CK(cudaMemset(out, 0, rounds * 8));
+      CK(cudaMemset(tears, 0, 8));
+      crossing_fmt<<<k.G + 1, 512>>>(row, sync, out, tears, rounds, k.fmt, slots, k.G);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<uint64_t> v(rounds);
+      CK(cudaMemcpy(v.data(), out, rounds * 8, cudaMemcpyDeviceToHost));
+      uint64_t torn = 0;
+      CK(cudaMemcpy(&torn, tears, 8, cudaMemcpyDeviceToHost));
+      std::vector<uint64_t> all(v.begin() + 10, v.end());
+      std::sort(all.begin(), all.end());
+      std::printf("%s{\"format\": \"%s\", \"data_bytes\": %d, \"stored_bytes\": %d, "
+                  "\"sender_ctas\": %d, \"rep\": %d, \"min_ns\": %llu, \"median_ns\": %llu, "
+                  "\"p90_ns\": %llu, \"torn_polls\": %llu}",
+                  first ? "" : ", ", k.fmt ? "lines128" : "units8", k.data, 16 * slots, k.G,
+                  rep, (unsigned long long)all[0], (unsigned long long)all[all.size() / 2],
+                  (unsigned long long)all[all.size() * 9 / 10], (unsigned long long)torn);
+      first = false;
+    }
+  }
+  std::printf("]}\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
+  if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   uint64_t *chain, *ping, *polled, *stop, *out;

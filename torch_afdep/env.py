@@ -225,14 +225,13 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
-    _control("AFDEP_LL_CONTIG", 8, 0,
-             "experimental, off by default (not yet run on a GPU): rows sent as flagged units "
-             "(the dispatch's rows in both layouts, the reply's rows) place each 16-byte "
-             "vector's two halves in groups of 32 vectors, the group's first halves and then "
-             "its second halves, so that a warp's store of its lanes' halves writes 512 "
-             "contiguous bytes instead of every other 16 bytes of 1 KB (scripts/poll_probe.cu "
-             "on one H100: one token's 16 KB of row units land 0.1-0.35 us sooner); the same "
-             "outputs; 0 = a vector's four units adjacent"),
+    _control("AFDEP_WARM_LINES", 23, 0,
+             "experimental, off by default: every small kernel form of flagged units asks L2, "
+             "at its start, for the first and last lines it will store to (the dispatch's and "
+             "the reply's units in the peers' windows, the receive's and the collect's "
+             "outputs), so that their page translations are fetched beside the kernel's first "
+             "loads, not in front of its first remote store (a prefetch hint; the same "
+             "outputs); 0 = no such hints"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -403,6 +402,8 @@ RETIRED: Dict[str, str] = {
     "AFDEP_EARLY_UNITS": "removed in session 46: the token layout's receive no shorter (its "
                          "first poll returned 1.18 us after ready against 1.12), +0.3% and "
                          "-0.2% at T = 1 and 7",
+    "AFDEP_LL_CONTIG": "removed in session 47: +0.1% at T = 1 in both layouts, -1.6% and "
+                       "+0.7% at T = 7 (token, expert layout)",
 }
 
 

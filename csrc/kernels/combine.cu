@@ -89,8 +89,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   const int4* rows = static_cast<const int4*>(a.rows);
   if (nvalid == 1 && llf) {
     const int4* src = rows + (size_t)s_rows[warp][0] * nv;
-    for (int i = v0 + lane; i < v1; i += 32)
-      st_ll_vec(dstu, ll_vec_at(i, nv, ll_contig(L)), ld_nc_v4(src + i), llf);
+    for (int i = v0 + lane; i < v1; i += 32) st_ll_vec(dstu + 4 * (size_t)i, ld_nc_v4(src + i), llf);
   } else if (nvalid == 1) {
     warp_copy16<false>(dst + v0, rows + (size_t)s_rows[warp][0] * nv + v0, v1 - v0, lane);
   } else {
@@ -115,7 +114,7 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
       }
 #pragma unroll 1  // at most 3 rows; unrolled, 4 KB of code in the middle of the reply
       for (; r < nvalid; ++r) add_bf16x8(acc, ld_nc_v4(rows + (size_t)s_rows[warp][r] * nv + i));
-      if (llf) st_ll_vec(dstu, ll_vec_at(i, nv, ll_contig(L)), pack_bf16x8(acc), llf);
+      if (llf) st_ll_vec(dstu + 4 * (size_t)i, pack_bf16x8(acc), llf);
       else dst[i] = pack_bf16x8(acc);
     }
   }
@@ -200,10 +199,10 @@ __device__ void reply_token_rows_early(const Layout& L, const CombineArgs& a, in
 #pragma unroll
       for (int q = 0; q < U; ++q) {
         const int i = v0 + lane + 32 * q;
-        if (i < v1) st_ll_vec(dst, ll_vec_at(i, nv, ll_contig(L)), v[q], llf);
+        if (i < v1) st_ll_vec(dst + 4 * (size_t)i, v[q], llf);
       }
       for (int i = v0 + lane + 32 * U; i < v1; i += 32)
-        st_ll_vec(dst, ll_vec_at(i, nv, ll_contig(L)), ld_nc_v4(src + i), llf);
+        st_ll_vec(dst + 4 * (size_t)i, ld_nc_v4(src + i), llf);
       continue;
     }
     int4* dst = reinterpret_cast<int4*>(base + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
@@ -271,8 +270,8 @@ __device__ bool collect_chunk_ll(const Layout& L, const CombineArgs& a, int t, i
       m &= m - 1;
       int4 x;
       if ((umask >> f) & 1ull) {
-        if (!wait_ll_vec(llc_row(L, mine, f, t), ll_vec_at(i, nv, ll_contig(L)), llf, deadline,
-                         L.err, kPhaseCombine, L.rank_of_ffn[f], L.rank, x))
+        if (!wait_ll_vec(llc_row(L, mine, f, t) + 4 * (size_t)i, llf, deadline, L.err,
+                         kPhaseCombine, L.rank_of_ffn[f], L.rank, x))
           return false;
       } else {
         x = ld_cg_v4(inbox + ((size_t)(role ? f : L.rank_of_ffn[f]) * L.C + t) * nv + i);
@@ -339,8 +338,7 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
     return 1;
   }
   const int sr = L.rank_of_ffn[f];
-  const LLVecAt at = ll_vec_at(i, L.H / 8, ll_contig(L));  // (the reply's BF16 row)
-  const uint64_t* row = llc_row(L, mine, f, t);
+  const uint64_t* row = llc_row(L, mine, f, t) + 4 * (size_t)i;
   const uint64_t* start = llc_start(L, mine, f);
   const uint64_t* done = reinterpret_cast<const uint64_t*>(mine + L.off_comb_done) + sr;
   uint32_t spins = 0;
@@ -348,8 +346,8 @@ __device__ int wait_reply_row(const Layout& L, int f, int t, int i, uint64_t n, 
   while (true) {
     // every load of a spin issued before any is tested: one load latency a spin, not three
     uint64_t r0, r1, r2, r3, s0 = 0, s1 = 0, d = 0;
-    ld_ll2(row + at.lo, r0, r1);
-    ld_ll2(row + at.hi, r2, r3);
+    ld_ll2(row, r0, r1);
+    ld_ll2(row + 2, r2, r3);
     if (!units) {
       ld_ll2(start, s0, s1);
       d = ld_ll(done);
@@ -506,6 +504,27 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
+// F_WARM_LINES (experimental), one warp at a kernel's start: the reply's units at every
+// Attention rank (the start units, the first line of its first row and the last of its last),
+// and the collect's output (its first and last lines)
+__device__ __forceinline__ void warm_combine_lines(const Layout& L, const CombineArgs& a,
+                                                   bool send, bool recv) {
+  const int lane = threadIdx.x & 31;
+  if (send) {
+    for (int i = lane; i < 3 * L.A; i += 32) {
+      char* base = attn_window(L, i / 3);
+      const int q = i % 3;
+      warm_line(q == 0   ? llc_start(L, base, L.my_index)
+                : q == 1 ? llc_row(L, base, L.my_index, 0)
+                         : llc_row(L, base, L.my_index, L.llc_tokens - 1) + L.H / 2 - 2);
+    }
+  }
+  if (recv && a.out != nullptr && a.T > 0 && lane < 2) {
+    const char* o = static_cast<const char*>(a.out);
+    warm_line(lane == 0 ? o : o + (size_t)a.T * L.H * 2 - 16);
+  }
+}
+
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
@@ -541,6 +560,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, kTrMaxStart);
+  if (kUnits && (fl & F_WARM_LINES) && warp == kWarps - 1)
+    warm_combine_lines(L, a, !kRecvOnly && a.do_send, !kSendOnly && a.do_recv);
 
   if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;

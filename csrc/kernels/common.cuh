@@ -338,29 +338,10 @@ __device__ __forceinline__ void st_ll2(uint64_t* p, int w0, int w1, uint32_t fla
                : "memory");
 }
 
-// Where a row's vector v (of nv) has its four units: two 16-byte halves, lo (x, y) and hi
-// (z, w), unit offsets from the row's first unit; the row takes 4 nv units either way. By
-// default a vector's halves are adjacent, so a warp's store of its lanes' lo halves writes
-// every other 16 bytes of 1 KB. F_LL_CONTIG: vectors go in groups of 32 (the last may be
-// shorter, n vectors): the group's lo halves first, then its hi halves, so that the same store
-// writes 512 contiguous bytes (scripts/poll_probe.cu: one token's 16 KB of row units from one
-// SM land 0.1-0.35 us sooner this way on an H100).
-struct LLVecAt {
-  size_t lo, hi;
-};
-__device__ __forceinline__ LLVecAt ll_vec_at(int v, int nv, bool contig) {
-  if (!contig) return {4 * (size_t)v, 4 * (size_t)v + 2};
-  const int g = v >> 5, n = min(32, nv - 32 * g);
-  const size_t lo = 128 * (size_t)g + 2 * (size_t)(v & 31);
-  return {lo, lo + 2 * (size_t)n};
-}
-__device__ __forceinline__ bool ll_contig(const Layout& L) { return (L.flags & F_LL_CONTIG) != 0; }
-
-// one 16-byte row vector as four units at its place `at` in the row at p (read back by
-// wait_ll_vec); p 16-byte aligned
-__device__ __forceinline__ void st_ll_vec(uint64_t* p, LLVecAt at, int4 v, uint32_t flag) {
-  st_ll2(p + at.lo, v.x, v.y, flag);
-  st_ll2(p + at.hi, v.z, v.w, flag);
+// one 16-byte row vector as four units at a 16-byte aligned p (read back by wait_ll_vec)
+__device__ __forceinline__ void st_ll_vec(uint64_t* p, int4 v, uint32_t flag) {
+  st_ll2(p, v.x, v.y, flag);
+  st_ll2(p + 2, v.z, v.w, flag);
 }
 
 __device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
@@ -372,6 +353,14 @@ __device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
 __device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t& a, uint64_t& b) {
   asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
                : "memory");
+}
+
+// F_WARM_LINES (experimental): asks L2 for a line a kernel will store to or read later, at its
+// start, so that the line's page translation is fetched beside the kernel's first loads
+// instead of in front of its first remote store (a hint: nothing waits for it, and a null p
+// asks for nothing)
+__device__ __forceinline__ void warm_line(const void* p) {
+  if (p != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
@@ -414,16 +403,15 @@ __device__ __forceinline__ bool wait_ll(const uint64_t* p, uint32_t flag, uint64
   }
 }
 
-// The four units of the row vector at its place `at` in the row at p (16-byte aligned),
-// spun on until all are fresh.
-__device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, LLVecAt at, uint32_t flag,
-                                            uint64_t deadline, ErrorBlock* err, int phase,
-                                            int peer, int rank, int4& v) {
+// Four units at a 16-byte aligned p (one 16-byte row vector), spun on until all are fresh.
+__device__ __forceinline__ bool wait_ll_vec(const uint64_t* p, uint32_t flag, uint64_t deadline,
+                                            ErrorBlock* err, int phase, int peer, int rank,
+                                            int4& v) {
   uint32_t spins = 0;
   while (true) {
     uint64_t a, b, c, d;
-    ld_ll2(p + at.lo, a, b);
-    ld_ll2(p + at.hi, c, d);
+    ld_ll2(p, a, b);
+    ld_ll2(p + 2, c, d);
     if (ll_fresh(a, flag) && ll_fresh(b, flag) && ll_fresh(c, flag) && ll_fresh(d, flag)) {
       v = make_int4((int)(uint32_t)a, (int)(uint32_t)b, (int)(uint32_t)c, (int)(uint32_t)d);
       return true;

@@ -262,8 +262,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       if (slot < 0) continue;
       char* const b = kLone ? ffn_window(L, fd) : fb[fd];
       if (llf) {
-        st_ll_vec(ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints,
-                  ll_vec_at(col, nv, ll_contig(L)), p.v[j], llf);
+        st_ll_vec(ll_token(L, ll_region(L, b, src_idx, c), slot) + L.meta_ints + 4 * col, p.v[j],
+                  llf);
         continue;
       }
       const size_t gslot = ((size_t)src_idx * L.S + c) * a.stride + slot;
@@ -797,8 +797,7 @@ __device__ void place_rows_ll(const Layout& L, const DispatchArgs& a, uint64_t n
     bool ok = true;
     for (int v = h * cv + lane; v < min(nv, h * cv + cv) && ok; v += 32) {
       int4 x;
-      ok = wait_ll_vec(ut, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err, kPhaseDispatch,
-                       sr, L.rank, x);
+      ok = wait_ll_vec(ut + 4 * v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
       if (ok) dst[v] = x;
     }
     if (h == 0 && L.scale_cols) {
@@ -1209,8 +1208,7 @@ __device__ __forceinline__ bool fan_chunk(const Layout& L, const DispatchArgs& a
           ll_fresh(x3, llf))
         x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
       else
-        got = wait_ll_vec(ur, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err,
-                          kPhaseDispatch, sr, L.rank, x);
+        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
     }
     for (unsigned m = rows; m != 0; m &= m - 1) {
       const int dr = __shfl_sync(kFull, row, __ffs(m) - 1);
@@ -1323,9 +1321,8 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
     // this lane's first vector of the chunk loads with the metadata: one latency for both
     uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
     if (v0 + lane < v1) {
-      const LLVecAt at = ll_vec_at(v0 + lane, nv, ll_contig(L));
-      ld_ll2(ur + at.lo, x0, x1);
-      ld_ll2(ur + at.hi, x2, x3);
+      ld_ll2(ur + 4 * (size_t)(v0 + lane), x0, x1);
+      ld_ll2(ur + 4 * (size_t)(v0 + lane) + 2, x2, x3);
     }
     int tok, nloc, el, wi, pos;
     if (!load_token_units(L, ut, llf, deadline, sr, tok, nloc, el, wi, pos)) return;
@@ -1361,8 +1358,7 @@ __device__ void expand_units(const Layout& L, const DispatchArgs& a, uint64_t n,
           ll_fresh(x3, llf))
         x = make_int4((int)(uint32_t)x0, (int)(uint32_t)x1, (int)(uint32_t)x2, (int)(uint32_t)x3);
       else
-        got = wait_ll_vec(ur, ll_vec_at(v, nv, ll_contig(L)), llf, deadline, L.err,
-                          kPhaseDispatch, sr, L.rank, x);
+        got = wait_ll_vec(ur + 4 * (size_t)v, llf, deadline, L.err, kPhaseDispatch, sr, L.rank, x);
       if (got) dst[v] = x;
     }
     if (h == 0 && L.scale_cols) {
@@ -1452,6 +1448,27 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
   trace_mark(L, kTrSent, kTrMaxSent);
 }
 
+// F_WARM_LINES (experimental), one warp at a kernel's start: a sender CTA's region of flagged
+// units at every FFN rank (its first line, the count, and its last), and a receive's outputs
+// (the first line of each)
+__device__ __forceinline__ void warm_dispatch_lines(const Layout& L, const DispatchArgs& a,
+                                                    bool send, bool recv) {
+  const int lane = threadIdx.x & 31;
+  if (send) {
+    for (int i = lane; i < 2 * L.F; i += 32) {
+      const uint64_t* r = ll_region(L, ffn_window(L, i >> 1), L.my_index, blockIdx.x);
+      warm_line((i & 1) ? r + L.ll_region_units - 2 : r);
+    }
+  }
+  if (recv && blockIdx.x == 0) {
+    const void* outs[] = {a.out_expert_ids, a.out_weights,     a.out_src_rank,
+                          a.out_src_token,  a.out_num_tokens,  a.out_token_index,
+                          a.out_token_rows, a.out_offsets,     a.out_x,
+                          a.out_scales};
+    if (lane < 10) warm_line(outs[lane]);
+  }
+}
+
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
 // dispatch_form) only one role's path at few tokens per channel, so that their code is compact
 // kSpread (F_SPREAD_CHUNKS; kSmallRecv and kRawRecv only, instantiations of their own):
@@ -1479,6 +1496,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
   if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
+  if (kUnits && (L.flags & F_WARM_LINES) && (threadIdx.x >> 5) == kWarps - 1)
+    warm_dispatch_lines(L, a, !kRecvOnly && a.do_send, !kSendOnly && a.do_recv);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)

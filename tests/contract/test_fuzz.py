@@ -116,12 +116,11 @@ def test_fuzz_exchanges(world, device):
 
 @pytest.mark.devices("cuda")
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_fuzz_exchanges_ll_contig(world, device):
-    """The CUDA configurations with AFDEP_LL_CONTIG=1 (experimental, off by default): rows sent
-    as flagged units take their vectors' halves in groups of 32, and the fuzz's sizes give
-    rows of 1, 2, 8, 16, 17 and 32 vectors (groups that end short, and rows of one short
-    group), in both layouts, the dispatch's rows and the reply's."""
-    _fuzz(world, device, extra_env={"AFDEP_LL_CONTIG": "1"})
+def test_fuzz_exchanges_warm_lines(world, device):
+    """The CUDA configurations with AFDEP_WARM_LINES=1 (experimental, off by default): every
+    small form's prefetch hints, over the fuzz's worlds, sizes and both layouts, change no
+    output."""
+    _fuzz(world, device, extra_env={"AFDEP_WARM_LINES": "1"})
 
 
 def _fuzz(world, device, extra_env=None):

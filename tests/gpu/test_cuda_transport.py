@@ -434,44 +434,43 @@ def test_ll_experts_eager(layout, dtype):
             assert {"kUnitExpRecv", "kCountRecvLL"} <= st["forms"][0], (r, st["forms"])
 
 
-# AFDEP_LL_CONTIG (experimental, off): rows sent as flagged units take their vectors' halves
-# in groups of 32. H2176: BF16 rows of 272 vectors and FP8 rows of 136 (a last group of 16 and
-# of 8), the reply's BF16 rows 272.
-CONTIG = {"AFDEP_LL_CONTIG": "1"}
+# AFDEP_WARM_LINES (experimental, off): the small forms prefetch, at their start, the first and
+# last lines they will store to. A hint, so the outputs must not change; these check that the
+# hints' addresses (every peer's window, the outputs) never fault and that nothing else moves.
+WARM = {"AFDEP_WARM_LINES": "1"}
 
 
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
                                           ("2A2F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
-def test_ll_contig_eager(layout, dtype):
-    """AFDEP_LL_CONTIG=1 in the expert layout: every exchange of llx_plan exact on every rank
-    (units at buckets 8, 24 and 2; the count form beside them), at H2176, whose rows end in a
-    short group of vectors; the control on in every rank's transport."""
+def test_warm_lines_eager(layout, dtype):
+    """AFDEP_WARM_LINES=1 in the expert layout: every exchange of llx_plan exact on every rank
+    (units at buckets 8, 24 and 2; the count form beside them); the control on in every
+    rank's transport and the units' forms launched."""
     A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2176, dtype), llx_plan(A), env=CONTIG, seed=31)
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=WARM, seed=31)
     for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_LL_CONTIG"].bit, (r, hex(st["flags"]))
+        assert st["flags"] & controls.CONTROLS["AFDEP_WARM_LINES"].bit, (r, hex(st["flags"]))
         if st["role"] == "ffn":
             assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS[:1] + UNIT_CELLS[2:],
                          ids=["bf16-B8-T1", "fp8-B49-T7"])
-def test_ll_contig_graph_replays(dtype, bucket, tokens):
-    """AFDEP_LL_CONTIG=1, 100 checked graph replays of the expert layout (bucket 8: the units
+def test_warm_lines_graph_replays(dtype, bucket, tokens):
+    """AFDEP_WARM_LINES=1, 100 checked graph replays of the expert layout (bucket 8: the units
     both ways; 49: the count form's dispatch, the reply's rows as units)."""
     units = bucket <= 24
-    graph_replays_1a1f(dtype, bucket, tokens, CONTIG, 9500,
+    graph_replays_1a1f(dtype, bucket, tokens, WARM, 9500,
                        forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
                               ("kSmallSend" if units else "kCountSend", None)))
 
 
-def test_ll_contig_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_LL_CONTIG=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8 at H1088 (68 vectors: a last group of
-    4), the count form at 48."""
-    kw = cfg_kw("1A1F", 64, 1088, "bfloat16")
+def test_warm_lines_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_WARM_LINES=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8, the count form at 48."""
+    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
     run("1A1F", kw, [(24, [7], "partial"), (8, [1], "skewed"), (48, [33], "random")],
-        env=CONTIG, seed=37)
+        env=WARM, seed=37)
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
@@ -855,10 +854,10 @@ def test_sanitizer_small():
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
     ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_LL_CONTIG=1"])],
+    ("tokens", ["AFDEP_WARM_LINES=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-ll_contig"])
+         "tokens-match_any", "tokens-spin_each", "tokens-warm_lines"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -872,8 +871,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
     default forms (the token layout's receive spinning on each metadata unit in turn);
-    ll_contig: AFDEP_LL_CONTIG=1, the default forms (rows as units in groups of 32). Where the
-    token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
+    warm_lines: AFDEP_WARM_LINES=1, the default forms (prefetch hints at each small form's
+    start). Where the token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
     its first poll's return."""
     import json
 
@@ -896,7 +895,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
                 "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_LL_CONTIG=1": "kSmallSend"}
+                "AFDEP_WARM_LINES=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -753,12 +753,12 @@ def test_token_layout_delayed_sender(layout, settle):
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
-def test_token_layout_ll_contig_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_LL_CONTIG=1 (experimental, off by
-    default): the dispatch's rows and the reply's rows as flagged units in groups of 32
-    vectors (1A3F: a token's row at three FFN ranks; 3A1F: three sources' rows at one).
+def test_token_layout_warm_lines_graphs(layout, dtype_name):
+    """test_token_layout_ll_small_graphs with AFDEP_WARM_LINES=1 (experimental, off by
+    default): the small forms prefetch the lines they will store to at their start (1A3F: a
+    sender's regions at three FFN ranks; 3A1F: a reply's units at three Attention ranks).
     Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1", "AFDEP_LL_CONTIG": "1"},
+    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1", "AFDEP_WARM_LINES": "1"},
                      cap=4, zero_copy=True, attention_send_form="kSmallSend",
                      ffn_receive_form="kSmallRecv")
 

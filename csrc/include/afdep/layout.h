@@ -62,8 +62,9 @@ namespace afdep {
                                sender's claim and the expert layout's lone receive */         \
   X(SETTLE_UNITS, 29)       /* the token layout's receive of flagged units polls a token's    \
                                metadata units together, not one after another */              \
-  X(LL_CONTIG, 8)           /* rows as flagged units: a warp's store of its lanes' half       \
-                               vectors writes 512 contiguous bytes (experimental) */
+  X(WARM_LINES, 23)         /* the small forms ask L2, at their start, for the first and last \
+                               lines they will store to (remote units, the receive's outputs) \
+                               (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
