@@ -12,6 +12,8 @@
 // (rank 0 prints the flag round trips, relaxed stores and fenced release stores)
 // A row's crossing by format (flagged 8-byte units or 128-byte lines), size and sender CTAs:
 //   /tmp/poll_probe rows
+// A fresh kernel's row (a new sender kernel each round, a persistent receiver):
+//   /tmp/poll_probe fresh
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -414,6 +416,107 @@ static int ipc_main(int rank, const char* dir) {
   return o[0] && o[1] ? 0 : 1;  // 0 ns: a wait timed out
 }
 
+// A fresh kernel's row: the sender is a new kernel each round (launched from the host once the
+// previous round was seen), the receiver one persistent CTA polling every slot of the row (8 KB
+// as 16 KB of flagged units, a warp's store 512 contiguous bytes, as crossing_fmt's fmt 0). The
+// sender stamps its start (globaltimer) and then, by mode: 0 stores at once; 1 first loads
+// an 8 KB source row (a separate buffer, as the dispatch loads its tokens) and stores it; 2 as
+// 1, but its last warp first asks L2 for the row's first and last lines (prefetch.global.L2,
+// AFDEP_WARM_LINES' hint). out[r]: ns from the sender's start stamp to the receiver's "all
+// seen" (fresh kernels against crossing_fmt's persistent sender).
+__global__ void fresh_send(uint64_t* row, const int4* src, uint64_t* stamp, int slots, int r,
+                           int mode) {
+  const int tid = threadIdx.x;
+  if (tid == 0) st_sys(stamp + r, now_ns());
+  if (mode == 2 && tid >> 5 == 15 && (tid & 31) < 2) {
+    const uint64_t* p = (tid & 1) ? row + 2 * (slots - 1) : row;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+  for (int s = tid; s < slots; s += blockDim.x) {
+    uint32_t d0 = (uint32_t)(2 * s), d1 = (uint32_t)(2 * s + 1);
+    if (mode >= 1) {  // half a 16-byte source vector a slot
+      const int4 v = src[s >> 1];
+      d0 ^= (uint32_t)((s & 1) ? v.z : v.x);
+      d1 ^= (uint32_t)((s & 1) ? v.w : v.y);
+    }
+    st_sys2(row + 2 * s, ((uint64_t)r << 32) | d0, ((uint64_t)r << 32) | d1);
+  }
+}
+__global__ void fresh_recv(const uint64_t* row, uint64_t* stamp, uint64_t* out,
+                           int slots, int rounds) {
+  const int tid = threadIdx.x;
+  const uint64_t deadline = now_ns() + 20000000000ull;
+  for (int r = 1; r <= rounds; ++r) {
+    bool ok = true;
+    for (int s = tid; s < slots && ok; s += blockDim.x) {
+      for (;;) {
+        uint64_t x, y;
+        ld_sys2(row + 2 * s, x, y);
+        if ((x >> 32) == (uint64_t)r && (y >> 32) == (uint64_t)r) break;
+        if (now_ns() > deadline) { ok = false; break; }
+      }
+    }
+    if (!__syncthreads_and(ok)) return;
+    if (tid == 0) {
+      const uint64_t t1 = now_ns();
+      uint64_t t0;
+      while ((t0 = ld_sys(stamp + r)) == 0) {
+      }
+      out[r - 1] = t1 - t0;
+      st_sys(stamp, (uint64_t)r);  // seen: the host may launch the next sender
+    }
+    __syncthreads();
+  }
+}
+
+static int fresh_main() {
+  const int rounds = 110, slots = 1024;  // 8 KB of data as 16 KB of units
+  std::printf("{\"rounds\": %d, \"cases\": [", rounds - 10);
+  uint64_t *row, *stamp, *out;
+  int4* src;
+  CK(cudaMalloc(&row, 2 * slots * 8));
+  CK(cudaMalloc(&stamp, (rounds + 1) * 8));
+  CK(cudaMalloc(&out, rounds * 8));
+  CK(cudaMalloc(&src, 8192));
+  CK(cudaMemset(src, 1, 8192));
+  cudaStream_t s1, s2;
+  CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  const char* names[] = {"store_at_once", "load_then_store", "load_then_store_prefetched"};
+  for (int mode = 0; mode < 3; ++mode) {
+    for (int rep = 0; rep < 2; ++rep) {
+      CK(cudaMemset(row, 0, 2 * slots * 8));
+      CK(cudaMemset(stamp, 0, (rounds + 1) * 8));
+      CK(cudaDeviceSynchronize());
+      fresh_recv<<<1, 512, 0, s1>>>(row, stamp, out, slots, rounds);
+      CK(cudaGetLastError());
+      for (int r = 1; r <= rounds; ++r) {
+        fresh_send<<<1, 512, 0, s2>>>(row, src, stamp, slots, r, mode);
+        CK(cudaStreamSynchronize(s2));
+        // until the receiver saw round r (its word 0 of stamp), read through a copy on s2
+        for (int i = 0;; ++i) {
+          uint64_t seen = 0;
+          CK(cudaMemcpyAsync(&seen, stamp, 8, cudaMemcpyDeviceToHost, s2));
+          CK(cudaStreamSynchronize(s2));
+          if (seen >= (uint64_t)r) break;
+          if (i > 1000000) { std::fprintf(stderr, "fresh: round %d never seen\n", r); return 1; }
+        }
+      }
+      CK(cudaStreamSynchronize(s1));
+      std::vector<uint64_t> v(rounds);
+      CK(cudaMemcpy(v.data(), out, rounds * 8, cudaMemcpyDeviceToHost));
+      std::vector<uint64_t> all(v.begin() + 10, v.end());
+      std::sort(all.begin(), all.end());
+      std::printf("%s{\"sender\": \"%s\", \"rep\": %d, \"min_ns\": %llu, \"median_ns\": %llu, "
+                  "\"p90_ns\": %llu}", mode || rep ? ", " : "", names[mode], rep,
+                  (unsigned long long)all[0], (unsigned long long)all[all.size() / 2],
+                  (unsigned long long)all[all.size() * 9 / 10]);
+    }
+  }
+  std::printf("]}\n");
+  return 0;
+}
+
 // rows mode: crossing_fmt's cases, one JSON object
 static int rows_main() {
   const int rounds = 210, max_slots = 4096;
@@ -462,6 +565,7 @@ static int rows_main() {
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
+  if (argc == 2 && std::string(argv[1]) == "fresh") return fresh_main();
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   uint64_t *chain, *ping, *polled, *stop, *out;
