@@ -14,6 +14,9 @@
 //   /tmp/poll_probe rows
 // A fresh kernel's row (a new sender kernel each round, a persistent receiver):
 //   /tmp/poll_probe fresh
+// Where a token's metadata waits (the sender's SM or the receiver's), senders and receivers
+// spread over CTAs or not:
+//   /tmp/poll_probe queue
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -517,6 +520,113 @@ static int fresh_main() {
   return 0;
 }
 
+// Where a token's units queue: G sender CTAs store an 8 KB row as 16 KB of flagged units
+// (slots dealt out as in crossing_fmt) and CTA 0's warp 0 its 26 metadata units, after its own
+// row slots (meta_last, as the T = 1 dispatch's claim ends after the other warps' row stores
+// began) or before them. Rc receiver CTAs poll the row's slots (an equal range each);
+// receiver CTA 0's warp 0 polls the metadata first. meta_alone: receiver CTA 0 polls only the
+// metadata and CTAs 1 .. Rc the row (no row poller on the metadata's SM). out[r]: ns from
+// the first store to the last receiver CTA's "all seen"; out[rounds + r]: to the metadata
+// seen. Is it the sender's SM (one CTA's 16 KB in front of its metadata) or the receiver's
+// (its warps polling the row beside the metadata's poll) that the metadata waits behind?
+__global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t* out,
+                               int rounds, int G, int Rc, int meta_last, int meta_alone) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slots = 1024;
+  const bool sender = blockIdx.x < G;
+  const uint64_t deadline = now_ns() + 5000000000ull;
+  __shared__ int s_quit;
+  if (tid == 0) s_quit = 0;
+  __syncthreads();
+  for (int r = 1; r <= rounds; ++r) {
+    const uint64_t f = (uint64_t)r << 32;
+    if (sender) {
+      const int g = blockIdx.x;
+      if (tid == 0) {
+        while (ld_sys(sync) != (uint64_t)r)
+          if (now_ns() > deadline) { s_quit = 1; break; }
+        if (g == 0) st_sys(sync + 16, now_ns());
+      }
+      __syncthreads();
+      if (s_quit) return;
+      const bool mw = g == 0 && warp == 0;
+      if (mw && !meta_last && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
+      for (int s = 512 * g + tid; s < slots; s += 512 * G)
+        st_sys2(row + 2 * s, f | (uint32_t)(2 * s), f | (uint32_t)(2 * s + 1));
+      if (mw && meta_last && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
+      __syncthreads();
+    } else {
+      const int q = blockIdx.x - G;
+      if (q == 0 && tid == 0) st_sys(sync, (uint64_t)r);
+      bool ok = true;
+      if (q == 0 && warp == 0) {
+        if (lane < kMetaUnits)
+          while ((ld_sys(meta + lane) >> 32) != (uint64_t)r)
+            if (now_ns() > deadline) { ok = false; break; }
+        __syncwarp();
+        if (lane == 0) out[rounds + r - 1] = now_ns() - ld_sys(sync + 16);
+      }
+      const int rq = meta_alone ? q - 1 : q, nr = meta_alone ? Rc - 1 : Rc;
+      const int per = (slots + nr - 1) / nr, s1 = min(slots, (rq + 1) * per);
+      if (rq >= 0)
+        for (int s = rq * per + tid; s < s1 && ok; s += 512) {
+          for (;;) {
+            uint64_t x, y;
+            ld_sys2(row + 2 * s, x, y);
+            if ((x >> 32) == (uint64_t)r && (y >> 32) == (uint64_t)r) break;
+            if (now_ns() > deadline) { ok = false; break; }
+          }
+        }
+      if (!__syncthreads_and(ok)) return;
+      if (tid == 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(out + r - 1),
+                  (unsigned long long)(now_ns() - ld_sys(sync + 16)));
+      __syncthreads();
+    }
+  }
+}
+
+static int queue_main() {
+  const int rounds = 210;
+  uint64_t *meta, *row, *sync, *out;
+  CK(cudaMalloc(&meta, 64 * 8));
+  CK(cudaMalloc(&row, 2 * 1024 * 8));
+  CK(cudaMalloc(&sync, 32 * 8));
+  CK(cudaMalloc(&out, 2 * rounds * 8));
+  struct Case { int G, Rc, meta_last, meta_alone; };
+  const Case cases[] = {{1, 2, 1, 0}, {1, 2, 0, 0}, {4, 2, 1, 0}, {24, 2, 1, 0},
+                        {1, 3, 1, 1}, {24, 3, 1, 1}, {1, 8, 1, 0}, {24, 8, 1, 0},
+                        {1, 9, 1, 1}, {24, 9, 1, 1}};
+  std::printf("{\"rounds\": %d, \"cases\": [", rounds - 10);
+  bool first = true;
+  for (const Case& k : cases) {
+    for (int rep = 0; rep < 2; ++rep) {
+      CK(cudaMemset(meta, 0, 64 * 8));
+      CK(cudaMemset(row, 0, 2 * 1024 * 8));
+      CK(cudaMemset(sync, 0, 32 * 8));
+      CK(cudaMemset(out, 0, 2 * rounds * 8));
+      crossing_queue<<<k.G + k.Rc, 512>>>(meta, row, sync, out, rounds, k.G, k.Rc, k.meta_last,
+                                          k.meta_alone);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<uint64_t> v(2 * rounds);
+      CK(cudaMemcpy(v.data(), out, v.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<uint64_t> all(v.begin() + 10, v.begin() + rounds);
+      std::vector<uint64_t> md(v.begin() + rounds + 10, v.end());
+      std::sort(all.begin(), all.end());
+      std::sort(md.begin(), md.end());
+      std::printf("%s{\"sender_ctas\": %d, \"receiver_ctas\": %d, \"meta_last\": %d, "
+                  "\"meta_alone\": %d, \"rep\": %d, \"all_median_ns\": %llu, "
+                  "\"meta_median_ns\": %llu, \"meta_p90_ns\": %llu}",
+                  first ? "" : ", ", k.G, k.Rc, k.meta_last, k.meta_alone, rep,
+                  (unsigned long long)all[all.size() / 2], (unsigned long long)md[md.size() / 2],
+                  (unsigned long long)md[md.size() * 9 / 10]);
+      first = false;
+    }
+  }
+  std::printf("]}\n");
+  return 0;
+}
+
 // rows mode: crossing_fmt's cases, one JSON object
 static int rows_main() {
   const int rounds = 210, max_slots = 4096;
@@ -566,6 +676,7 @@ int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
   if (argc == 2 && std::string(argv[1]) == "fresh") return fresh_main();
+  if (argc == 2 && std::string(argv[1]) == "queue") return queue_main();
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   uint64_t *chain, *ping, *polled, *stop, *out;
