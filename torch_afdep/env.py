@@ -232,6 +232,13 @@ _CONTROLS = (
              "outputs), so that their page translations are fetched beside the kernel's first "
              "loads, not in front of its first remote store (a prefetch hint; the same "
              "outputs); 0 = no such hints"),
+    _control("AFDEP_SPREAD_SEND", 24, 0,
+             "experimental, off by default: with AFDEP_LONE_TOKEN, a dispatch of flagged units "
+             "with fewer tokens than channels (T < S) lets the sender CTAs that hold no token "
+             "store parts of the tokens' rows (CTA c: part c / T of token c % T's row), so that "
+             "a token's 16 KB of row units leave through several SMs instead of one, and its "
+             "count and metadata units do not queue behind them; the same outputs; 0 = each "
+             "token's CTA stores its whole row"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"

@@ -206,19 +206,58 @@ struct Preload {
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
   bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
+  bool part;         // F_SPREAD_SEND: a helper CTA holding part of token `tok`'s row (v / e / w)
+  int tok;           // F_SPREAD_SEND: the token whose part v holds (its channel: chunk is 1)
+  int v0, vn;        // lone or part: v holds the token's row vectors [v0, v0 + vn)
 };
+
+// F_SPREAD_SEND (with F_LONE_TOKEN, the flagged-unit send forms): fewer tokens than channels,
+// so every CTA holds at most one token and CTAs T .. S - 1 hold none. CTA c then stores part
+// c / T of token c % T's row, of as many parts as there are channels c' with c' % T == c % T
+// (part 0: the token's own CTA, which also claims it). At T = 1 one CTA's 16 KB of row units
+// would leave through one SM, and the token's count and metadata units queue behind them.
+__device__ __forceinline__ bool spread_send(const Layout& L, const DispatchArgs& a, bool units) {
+  constexpr uint32_t kNeeds = F_SPREAD_SEND | F_LONE_TOKEN;
+  return units && (L.flags & kNeeds) == kNeeds && a.T > 0 && a.T < L.S &&
+         L.row_bytes / 16 <= kPreVecs * kThreads && L.scale_cols <= kThreads;
+}
 
 // units: this launch sends flagged units (F_LL_SMALL)
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
                                                Preload& p, bool units) {
-  p.ids = p.rows = p.lone = false;
+  p.ids = p.rows = p.lone = p.part = false;
   p.e = -1;
   p.w = 0.f;
+  p.tok = p.v0 = p.vn = 0;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nv = L.row_bytes / 16;
+  if (spread_send(L, a, units)) {  // one token or none per CTA: token c % T, part c / T
+    const int c = blockIdx.x, t = c % a.T, j = c / a.T, n = (L.S - 1 - t) / a.T + 1;
+    if (lane < L.k) {
+      const size_t i = (size_t)t * L.k + lane;
+      p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[i]
+                     : (long long)reinterpret_cast<const int*>(a.expert_ids)[i];
+      p.w = a.weights[i];
+    }
+    p.tok = t;
+    p.v0 = j * nv / n;
+    p.vn = (j + 1) * nv / n - p.v0;
+    p.rows = p.lone = j == 0;  // the token's own CTA claims it
+    p.ids = j == 0 && warp == 0;
+    p.part = j > 0;
+    const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
+                                                  (size_t)t * L.row_bytes) + p.v0;
+#pragma unroll
+    for (int q = 0; q < kPreVecs; ++q)
+      if (tid + q * kThreads < p.vn) p.v[q] = ld_nc_v4(x + tid + q * kThreads);
+    if (j == 0 && L.scale_cols && tid < L.scale_cols)
+      p.s = a.x_scales[(size_t)t * L.scale_cols + tid];
+    return;
+  }
   const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
   const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
-  const int ntok = hi - lo, nv = L.row_bytes / 16;
+  const int ntok = hi - lo;
   if (ntok <= 0) return;
   // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
   const bool lone = units && ntok == 1 && (L.flags & F_LONE_TOKEN);
@@ -231,6 +270,8 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   p.ids = warp < ntok;
   p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
   p.lone = lone && p.rows;
+  p.tok = lo;
+  p.vn = nv;
   if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                 (size_t)lo * L.row_bytes);
@@ -254,8 +295,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
     const int v = tid + j * kThreads;
-    if (v >= ntok * nv) continue;
-    const int i = fast_div(v, L.div_nv), col = v - i * nv;
+    if (v >= (kLone ? p.vn : ntok * nv)) continue;  // kLone: vectors [v0, v0 + vn) of one row
+    const int i = kLone ? 0 : fast_div(v, L.div_nv), col = kLone ? p.v0 + v : v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
@@ -270,7 +311,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       reinterpret_cast<int4*>(b + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
     }
   }
-  if (L.scale_cols && tid < ntok * L.scale_cols) {
+  if (L.scale_cols && tid < ntok * L.scale_cols && !p.part) {  // (a part: the row's owner's)
     const int i = fast_div(tid, L.div_sc), q = tid - i * L.scale_cols;
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
@@ -1601,6 +1642,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         for (int fd = tid; fd < L.F; fd += blockDim.x)
           st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
                  kAheadNone | (send_bucket << kAheadBits), llf);
+        // F_SPREAD_SEND: this CTA's part of token pre.tok's row, into that token's units (slot
+        // 0 of its channel's region) at the FFN ranks its ids reach, as its own CTA does
+        if (kUnits && pre.part)
+          copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, pre.tok, pre, llf,
+                               token_ffn_mask(L, pre.e));
       } else {
         if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, 0u);
         else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);

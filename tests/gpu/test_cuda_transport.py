@@ -473,6 +473,47 @@ def test_warm_lines_sanitizer_small():
         env=WARM, seed=37)
 
 
+# AFDEP_SPREAD_SEND (experimental, off): with fewer tokens than channels, the sender CTAs that
+# hold no token store parts of the tokens' rows (CTA c: part c / T of token c % T's row).
+SPREAD_SEND = {"AFDEP_SPREAD_SEND": "1"}
+
+
+@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
+                                          ("2A2F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
+def test_spread_send_eager(layout, dtype):
+    """AFDEP_SPREAD_SEND=1 in the expert layout: every exchange of llx_plan exact on every
+    rank (units at buckets 8, 24 and 2, whose T below the channel count spreads the rows; the
+    count form beside them); the control on in every rank's transport."""
+    A = LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=SPREAD_SEND, seed=41)
+    for r, st in enumerate(res):
+        assert st["flags"] & controls.CONTROLS["AFDEP_SPREAD_SEND"].bit, (r, hex(st["flags"]))
+        if st["role"] == "ffn":
+            assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
+
+
+@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS[:1] + UNIT_CELLS[2:],
+                         ids=["bf16-B8-T1", "fp8-B49-T7"])
+def test_spread_send_graph_replays(dtype, bucket, tokens):
+    """AFDEP_SPREAD_SEND=1, 100 checked graph replays of the expert layout (bucket 8: one
+    token's row from every sender CTA; 49: the count form's dispatch, which does not spread)."""
+    units = bucket <= 24
+    graph_replays_1a1f(dtype, bucket, tokens, SPREAD_SEND, 9600,
+                       forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
+                              ("kSmallSend" if units else "kCountSend", None)))
+
+
+def test_spread_send_sanitizer_small():
+    """Small 1A1F exchanges with AFDEP_SPREAD_SEND=1 (run under compute-sanitizer by
+    scripts/gpu_suite.sh): units at buckets 24 and 8 (T = 7 and 1: parts of 3-4 and of 24
+    CTAs), the count form at 48; FP8 rows (the owner's scales) at bucket 8."""
+    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
+    run("1A1F", kw, [(24, [7], "partial"), (8, [1], "skewed"), (48, [33], "random")],
+        env=SPREAD_SEND, seed=43)
+    kw = cfg_kw("1A1F", 64, 1024, "float8_e4m3fn")
+    run("1A1F", kw, [(8, [1], "random"), (8, [5], "skewed")], env=SPREAD_SEND, seed=47)
+
+
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_ll_experts_graph_replays(dtype, bucket, tokens):
@@ -854,10 +895,10 @@ def test_sanitizer_small():
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
     ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_WARM_LINES=1"])],
+    ("tokens", ["AFDEP_WARM_LINES=1"]), ("tokens", ["AFDEP_SPREAD_SEND=1"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-warm_lines"])
+         "tokens-match_any", "tokens-spin_each", "tokens-warm_lines", "tokens-spread_send"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -872,7 +913,8 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
     default forms (the token layout's receive spinning on each metadata unit in turn);
     warm_lines: AFDEP_WARM_LINES=1, the default forms (prefetch hints at each small form's
-    start). Where the token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
+    start); spread_send: AFDEP_SPREAD_SEND=1, the default forms (the T = 1 token's row stored
+    by every sender CTA). Where the token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
     its first poll's return."""
     import json
 
@@ -895,7 +937,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
                 "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_WARM_LINES=1": "kSmallSend"}
+                "AFDEP_WARM_LINES=1": "kSmallSend", "AFDEP_SPREAD_SEND=1": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

@@ -64,7 +64,9 @@ namespace afdep {
                                metadata units together, not one after another */              \
   X(WARM_LINES, 23)         /* the small forms ask L2, at their start, for the first and last \
                                lines they will store to (remote units, the receive's outputs) \
-                               (experimental) */
+                               (experimental) */                                              \
+  X(SPREAD_SEND, 24)        /* F_LONE_TOKEN with fewer tokens than channels: the CTAs that    \
+                               hold no token store parts of the tokens' rows (experimental) */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
