@@ -434,84 +434,55 @@ def test_ll_experts_eager(layout, dtype):
             assert {"kUnitExpRecv", "kCountRecvLL"} <= st["forms"][0], (r, st["forms"])
 
 
-# AFDEP_WARM_LINES (experimental, off): the small forms prefetch, at their start, the first and
-# last lines they will store to. A hint, so the outputs must not change; these check that the
-# hints' addresses (every peer's window, the outputs) never fault and that nothing else moves.
-WARM = {"AFDEP_WARM_LINES": "1"}
+# Experimental controls of the flagged-unit forms, each on alone. AFDEP_WARM_LINES: the small
+# forms prefetch, at their start, the first and last lines they will store to (a hint: these
+# check that its addresses, in every peer's window and the outputs, never fault and that no
+# output moves). AFDEP_SPREAD_SEND: with fewer tokens than channels, the sender CTAs that hold
+# no token store parts of the tokens' rows (CTA c: part c / T of token c % T's row).
+UNIT_CONTROLS = {"warm_lines": "AFDEP_WARM_LINES", "spread_send": "AFDEP_SPREAD_SEND"}
 
 
+@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
 @pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
                                           ("2A2F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
-def test_warm_lines_eager(layout, dtype):
-    """AFDEP_WARM_LINES=1 in the expert layout: every exchange of llx_plan exact on every rank
-    (units at buckets 8, 24 and 2; the count form beside them); the control on in every
-    rank's transport and the units' forms launched."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=WARM, seed=31)
+def test_unit_control_eager(control, layout, dtype):
+    """One experimental control of UNIT_CONTROLS on, the expert layout: every exchange of
+    llx_plan exact on every rank (units at buckets 8, 24 and 2, whose T is below the channel
+    count; the count form beside them); the control on in every rank's transport and the
+    units' receive launched."""
+    name, A = UNIT_CONTROLS[control], LAYOUTS[layout][1]
+    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env={name: "1"}, seed=31)
     for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_WARM_LINES"].bit, (r, hex(st["flags"]))
+        assert st["flags"] & controls.CONTROLS[name].bit, (r, hex(st["flags"]))
         if st["role"] == "ffn":
             assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
 
 
+@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS[:1] + UNIT_CELLS[2:],
                          ids=["bf16-B8-T1", "fp8-B49-T7"])
-def test_warm_lines_graph_replays(dtype, bucket, tokens):
-    """AFDEP_WARM_LINES=1, 100 checked graph replays of the expert layout (bucket 8: the units
-    both ways; 49: the count form's dispatch, the reply's rows as units)."""
+def test_unit_control_graph_replays(control, dtype, bucket, tokens):
+    """One experimental control of UNIT_CONTROLS on, 100 checked graph replays of the expert
+    layout (bucket 8: the units both ways, one token's row from every sender CTA with
+    AFDEP_SPREAD_SEND; 49: the count form's dispatch, the reply's rows as units)."""
     units = bucket <= 24
-    graph_replays_1a1f(dtype, bucket, tokens, WARM, 9500,
+    graph_replays_1a1f(dtype, bucket, tokens, {UNIT_CONTROLS[control]: "1"}, 9500,
                        forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
                               ("kSmallSend" if units else "kCountSend", None)))
 
 
-def test_warm_lines_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_WARM_LINES=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8, the count form at 48."""
+@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
+def test_unit_control_sanitizer_small(control):
+    """Small 1A1F exchanges with one experimental control of UNIT_CONTROLS on (run under
+    compute-sanitizer by scripts/gpu_suite.sh): units at buckets 24 and 8 (T = 7 and 1: with
+    AFDEP_SPREAD_SEND parts of 3-4 and of 24 CTAs), the count form at 48; FP8 rows (the
+    token's own CTA's scales) at bucket 8."""
+    env = {UNIT_CONTROLS[control]: "1"}
     kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
     run("1A1F", kw, [(24, [7], "partial"), (8, [1], "skewed"), (48, [33], "random")],
-        env=WARM, seed=37)
-
-
-# AFDEP_SPREAD_SEND (experimental, off): with fewer tokens than channels, the sender CTAs that
-# hold no token store parts of the tokens' rows (CTA c: part c / T of token c % T's row).
-SPREAD_SEND = {"AFDEP_SPREAD_SEND": "1"}
-
-
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
-def test_spread_send_eager(layout, dtype):
-    """AFDEP_SPREAD_SEND=1 in the expert layout: every exchange of llx_plan exact on every
-    rank (units at buckets 8, 24 and 2, whose T below the channel count spreads the rows; the
-    count form beside them); the control on in every rank's transport."""
-    A = LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env=SPREAD_SEND, seed=41)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS["AFDEP_SPREAD_SEND"].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
-
-
-@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS[:1] + UNIT_CELLS[2:],
-                         ids=["bf16-B8-T1", "fp8-B49-T7"])
-def test_spread_send_graph_replays(dtype, bucket, tokens):
-    """AFDEP_SPREAD_SEND=1, 100 checked graph replays of the expert layout (bucket 8: one
-    token's row from every sender CTA; 49: the count form's dispatch, which does not spread)."""
-    units = bucket <= 24
-    graph_replays_1a1f(dtype, bucket, tokens, SPREAD_SEND, 9600,
-                       forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
-                              ("kSmallSend" if units else "kCountSend", None)))
-
-
-def test_spread_send_sanitizer_small():
-    """Small 1A1F exchanges with AFDEP_SPREAD_SEND=1 (run under compute-sanitizer by
-    scripts/gpu_suite.sh): units at buckets 24 and 8 (T = 7 and 1: parts of 3-4 and of 24
-    CTAs), the count form at 48; FP8 rows (the owner's scales) at bucket 8."""
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(24, [7], "partial"), (8, [1], "skewed"), (48, [33], "random")],
-        env=SPREAD_SEND, seed=43)
+        env=env, seed=37)
     kw = cfg_kw("1A1F", 64, 1024, "float8_e4m3fn")
-    run("1A1F", kw, [(8, [1], "random"), (8, [5], "skewed")], env=SPREAD_SEND, seed=47)
+    run("1A1F", kw, [(8, [1], "random"), (8, [5], "skewed")], env=env, seed=47)
 
 
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
