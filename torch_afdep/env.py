@@ -226,14 +226,14 @@ _CONTROLS = (
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
     _control("AFDEP_WARM_LINES", 23, 0,
-             "experimental, off by default: every small kernel form of flagged units asks L2, "
+             "experimental, off by default (not yet run on a GPU): every small kernel form of flagged units asks L2, "
              "at its start, for the first and last lines it will store to (the dispatch's and "
              "the reply's units in the peers' windows, the receive's and the collect's "
              "outputs), so that their page translations are fetched beside the kernel's first "
              "loads, not in front of its first remote store (a prefetch hint; the same "
              "outputs); 0 = no such hints"),
     _control("AFDEP_SPREAD_SEND", 24, 0,
-             "experimental, off by default: with AFDEP_LONE_TOKEN, a dispatch of flagged units "
+             "experimental, off by default (not yet run on a GPU): with AFDEP_LONE_TOKEN, a dispatch of flagged units "
              "with fewer tokens than channels (T < S) lets the sender CTAs that hold no token "
              "store parts of the tokens' rows (CTA c: part c / T of token c % T's row), so that "
              "a token's 16 KB of row units leave through several SMs instead of one, and its "
