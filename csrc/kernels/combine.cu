@@ -510,14 +510,11 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
 __device__ __forceinline__ void warm_combine_lines(const Layout& L, const CombineArgs& a,
                                                    bool send, bool recv) {
   const int lane = threadIdx.x & 31;
-  if (send) {
-    for (int i = lane; i < 3 * L.A; i += 32) {
-      char* base = attn_window(L, i / 3);
-      const int q = i % 3;
-      warm_line(q == 0   ? llc_start(L, base, L.my_index)
-                : q == 1 ? llc_row(L, base, L.my_index, 0)
-                         : llc_row(L, base, L.my_index, L.llc_tokens - 1) + L.H / 2 - 2);
-    }
+  for (int ai = lane; send && ai < L.A; ai += 32) {
+    char* base = attn_window(L, ai);
+    warm_line(llc_start(L, base, L.my_index));
+    warm_line(llc_row(L, base, L.my_index, 0));
+    warm_line(llc_row(L, base, L.my_index, L.llc_tokens - 1) + L.H / 2 - 2);
   }
   if (recv && a.out != nullptr && a.T > 0 && lane < 2) {
     const char* o = static_cast<const char*>(a.out);

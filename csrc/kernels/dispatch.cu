@@ -219,6 +219,7 @@ struct Preload {
 __device__ __forceinline__ bool spread_send(const Layout& L, const DispatchArgs& a, bool units) {
   constexpr uint32_t kNeeds = F_SPREAD_SEND | F_LONE_TOKEN;
   return units && (L.flags & kNeeds) == kNeeds && a.T > 0 && a.T < L.S &&
+         (int)blockIdx.x < L.S &&  // (the send's grid is S CTAs: no part past the last)
          L.row_bytes / 16 <= kPreVecs * kThreads && L.scale_cols <= kThreads;
 }
 
@@ -232,33 +233,22 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nv = L.row_bytes / 16;
+  int lo, ntok;
   if (spread_send(L, a, units)) {  // one token or none per CTA: token c % T, part c / T
-    const int c = blockIdx.x, t = c % a.T, j = c / a.T, n = (L.S - 1 - t) / a.T + 1;
-    if (lane < L.k) {
-      const size_t i = (size_t)t * L.k + lane;
-      p.e = a.ids_64 ? reinterpret_cast<const long long*>(a.expert_ids)[i]
-                     : (long long)reinterpret_cast<const int*>(a.expert_ids)[i];
-      p.w = a.weights[i];
-    }
-    p.tok = t;
+    const int c = blockIdx.x, j = fast_div(c, a.div_T), t = c - j * a.T;
+    const int n = fast_div(L.S - 1 - t, a.div_T) + 1;
+    lo = t;
+    ntok = 1;
     p.v0 = j * nv / n;
     p.vn = (j + 1) * nv / n - p.v0;
-    p.rows = p.lone = j == 0;  // the token's own CTA claims it
-    p.ids = j == 0 && warp == 0;
-    p.part = j > 0;
-    const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                  (size_t)t * L.row_bytes) + p.v0;
-#pragma unroll
-    for (int q = 0; q < kPreVecs; ++q)
-      if (tid + q * kThreads < p.vn) p.v[q] = ld_nc_v4(x + tid + q * kThreads);
-    if (j == 0 && L.scale_cols && tid < L.scale_cols)
-      p.s = a.x_scales[(size_t)t * L.scale_cols + tid];
-    return;
+    p.part = j > 0;  // j = 0: the token's own CTA, which claims it
+  } else {
+    const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
+    lo = min(a.T, (int)blockIdx.x * chunk);
+    ntok = min(a.T, lo + chunk) - lo;
+    p.vn = ntok * nv;
+    if (ntok <= 0) return;
   }
-  const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
-  const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
-  const int ntok = hi - lo;
-  if (ntok <= 0) return;
   // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
   const bool lone = units && ntok == 1 && (L.flags & F_LONE_TOKEN);
   if ((warp < ntok || lone) && lane < L.k) {
@@ -267,18 +257,18 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
                    : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
     p.w = a.weights[j];
   }
-  p.ids = warp < ntok;
-  p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
-  p.lone = lone && p.rows;
   p.tok = lo;
-  p.vn = nv;
-  if (!p.rows) return;
+  p.ids = warp < ntok && !p.part;
+  p.rows = !p.part && ntok < kWarps && ntok * nv <= kPreVecs * kThreads &&
+           ntok * L.scale_cols <= kThreads;
+  p.lone = lone && p.rows;
+  if (!p.rows && !p.part) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                (size_t)lo * L.row_bytes);
+                                                (size_t)lo * L.row_bytes) + p.v0;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j)
-    if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
-  if (L.scale_cols && tid < ntok * L.scale_cols)
+    if (tid + j * kThreads < p.vn) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
+  if (!p.part && L.scale_cols && tid < ntok * L.scale_cols)
     p.s = a.x_scales[(size_t)lo * L.scale_cols + tid];
 }
 
@@ -1461,26 +1451,31 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
+// F_SPREAD_SEND: a CTA holding part j > 0 of token pre.tok's row (pre.part) runs this too: no
+// claim, its own region's count units say no token, and its part goes into that token's units
+// (slot 0 of the token's channel's region) at the FFN ranks its ids reach
 template <bool kRaw = false, bool kShuffle = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
-  const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
+  const int t = pre.tok;  // this CTA's token (chunk is 1), or the token it stores a part of
+  const bool own = !pre.part;
   const uint32_t llf = ll_flag(n);
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
-  if (!kRaw && warp == 0) {
+  if (!kRaw && own && warp == 0) {
     claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
                                 c, true, pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
-  if (kRaw && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
+  if (kRaw && own && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
+  // this CTA's own region's count units: its token (or, a part's CTA, none) at each FFN rank
   for (int fd = tid - 32; fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
     if (fd >= 0)
-      st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
-             (kRaw ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
-  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
-  if (kRaw && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
+      st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), own ? (int)((fmask >> fd) & 1) : 0,
+             (kRaw && own ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
+  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, t, pre, llf, fmask);
+  if (kRaw && own && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
     if (threadIdx.x < L.k && (pre.e < -1 || pre.e >= L.E)) report_route(L.err, pre.e, 0);
     if (threadIdx.x == 0) a.route[t] = (int64_t)fmask;
     trace_mark(L, kTrClaimed, -1);
@@ -1501,12 +1496,19 @@ __device__ __forceinline__ void warm_dispatch_lines(const Layout& L, const Dispa
       warm_line((i & 1) ? r + L.ll_region_units - 2 : r);
     }
   }
-  if (recv && blockIdx.x == 0) {
-    const void* outs[] = {a.out_expert_ids, a.out_weights,     a.out_src_rank,
-                          a.out_src_token,  a.out_num_tokens,  a.out_token_index,
-                          a.out_token_rows, a.out_offsets,     a.out_x,
-                          a.out_scales};
-    if (lane < 10) warm_line(outs[lane]);
+  if (recv && blockIdx.x == 0) {  // a chain of selects, not an indexed (local-memory) array
+    const void* o = lane == 0   ? (const void*)a.out_expert_ids
+                    : lane == 1 ? (const void*)a.out_weights
+                    : lane == 2 ? (const void*)a.out_src_rank
+                    : lane == 3 ? (const void*)a.out_src_token
+                    : lane == 4 ? (const void*)a.out_num_tokens
+                    : lane == 5 ? (const void*)a.out_token_index
+                    : lane == 6 ? (const void*)a.out_token_rows
+                    : lane == 7 ? (const void*)a.out_offsets
+                    : lane == 8 ? a.out_x
+                    : lane == 9 ? (const void*)a.out_scales
+                                : nullptr;
+    warm_line(o);
   }
 }
 
@@ -1567,7 +1569,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
+  if (kUnits && !kRecvOnly && a.do_send && (pre.lone || pre.part)) {
     send_lone_token<kForm == kRawSend, kShuffle>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN
@@ -1642,11 +1644,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
         for (int fd = tid; fd < L.F; fd += blockDim.x)
           st_ll2(ll_region(L, s_fb[fd], src_idx, c), s_cnt[fd],
                  kAheadNone | (send_bucket << kAheadBits), llf);
-        // F_SPREAD_SEND: this CTA's part of token pre.tok's row, into that token's units (slot
-        // 0 of its channel's region) at the FFN ranks its ids reach, as its own CTA does
-        if (kUnits && pre.part)
-          copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, pre.tok, pre, llf,
-                               token_ffn_mask(L, pre.e));
       } else {
         if (pre.rows) copy_preloaded(L, a, s_fb, hi - lo, s_slot, src_idx, c, pre, 0u);
         else copy_tokens(L, a, s_fb, lo, hi - lo, s_slot, src_idx, c);
