@@ -271,6 +271,17 @@ __device__ __forceinline__ void st_sys2(uint64_t* p, uint64_t x, uint64_t y) {
   asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(x), "l"(y)
                : "memory");
 }
+// Spins until slot s of a row of flagged units (two 8-byte units, flag in each high half)
+// carries round r; false at the deadline.
+__device__ __forceinline__ bool wait_slot(const uint64_t* row, int s, uint64_t r,
+                                          uint64_t deadline) {
+  for (;;) {
+    uint64_t x, y;
+    ld_sys2(row + 2 * s, x, y);
+    if ((x >> 32) == r && (y >> 32) == r) return true;
+    if (now_ns() > deadline) return false;
+  }
+}
 __device__ __forceinline__ uint64_t row_word(int fmt, uint32_t r, int s, int j) {
   // fmt 0: flag r in the high half of each unit; fmt 1: data words (the flag word is r)
   return fmt == 0 ? ((uint64_t)r << 32) | (uint32_t)(2 * s + j)
@@ -451,14 +462,7 @@ __global__ void fresh_recv(const uint64_t* row, uint64_t* stamp, uint64_t* out,
   const uint64_t deadline = now_ns() + 20000000000ull;
   for (int r = 1; r <= rounds; ++r) {
     bool ok = true;
-    for (int s = tid; s < slots && ok; s += blockDim.x) {
-      for (;;) {
-        uint64_t x, y;
-        ld_sys2(row + 2 * s, x, y);
-        if ((x >> 32) == (uint64_t)r && (y >> 32) == (uint64_t)r) break;
-        if (now_ns() > deadline) { ok = false; break; }
-      }
-    }
+    for (int s = tid; s < slots && ok; s += blockDim.x) ok = wait_slot(row, s, r, deadline);
     if (!__syncthreads_and(ok)) return;
     if (tid == 0) {
       const uint64_t t1 = now_ns();
@@ -470,6 +474,15 @@ __global__ void fresh_recv(const uint64_t* row, uint64_t* stamp, uint64_t* out,
     }
     __syncthreads();
   }
+}
+
+// rounds [at, at + n) of a device array of per-round ns, the first 10 (warm-up) dropped, sorted
+static std::vector<uint64_t> sorted_rounds(const uint64_t* dev, int at, int n) {
+  std::vector<uint64_t> v(n);
+  CK(cudaMemcpy(v.data(), dev + at, n * 8, cudaMemcpyDeviceToHost));
+  std::vector<uint64_t> kept(v.begin() + 10, v.end());
+  std::sort(kept.begin(), kept.end());
+  return kept;
 }
 
 static int fresh_main() {
@@ -506,10 +519,7 @@ static int fresh_main() {
         }
       }
       CK(cudaStreamSynchronize(s1));
-      std::vector<uint64_t> v(rounds);
-      CK(cudaMemcpy(v.data(), out, rounds * 8, cudaMemcpyDeviceToHost));
-      std::vector<uint64_t> all(v.begin() + 10, v.end());
-      std::sort(all.begin(), all.end());
+      const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
       std::printf("%s{\"sender\": \"%s\", \"rep\": %d, \"min_ns\": %llu, \"median_ns\": %llu, "
                   "\"p90_ns\": %llu}", mode || rep ? ", " : "", names[mode], rep,
                   (unsigned long long)all[0], (unsigned long long)all[all.size() / 2],
@@ -568,14 +578,7 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
       const int rq = meta_alone ? q - 1 : q, nr = meta_alone ? Rc - 1 : Rc;
       const int per = (slots + nr - 1) / nr, s1 = min(slots, (rq + 1) * per);
       if (rq >= 0)
-        for (int s = rq * per + tid; s < s1 && ok; s += 512) {
-          for (;;) {
-            uint64_t x, y;
-            ld_sys2(row + 2 * s, x, y);
-            if ((x >> 32) == (uint64_t)r && (y >> 32) == (uint64_t)r) break;
-            if (now_ns() > deadline) { ok = false; break; }
-          }
-        }
+        for (int s = rq * per + tid; s < s1 && ok; s += 512) ok = wait_slot(row, s, r, deadline);
       if (!__syncthreads_and(ok)) return;
       if (tid == 0)
         atomicMax(reinterpret_cast<unsigned long long*>(out + r - 1),
@@ -608,12 +611,8 @@ static int queue_main() {
                                           k.meta_alone);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
-      std::vector<uint64_t> v(2 * rounds);
-      CK(cudaMemcpy(v.data(), out, v.size() * 8, cudaMemcpyDeviceToHost));
-      std::vector<uint64_t> all(v.begin() + 10, v.begin() + rounds);
-      std::vector<uint64_t> md(v.begin() + rounds + 10, v.end());
-      std::sort(all.begin(), all.end());
-      std::sort(md.begin(), md.end());
+      const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
+      const std::vector<uint64_t> md = sorted_rounds(out, rounds, rounds);
       std::printf("%s{\"sender_ctas\": %d, \"receiver_ctas\": %d, \"meta_last\": %d, "
                   "\"meta_alone\": %d, \"rep\": %d, \"all_median_ns\": %llu, "
                   "\"meta_median_ns\": %llu, \"meta_p90_ns\": %llu}",
@@ -653,12 +652,9 @@ static int rows_main() {
       crossing_fmt<<<k.G + 1, 512>>>(row, sync, out, tears, rounds, k.fmt, slots, k.G);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
-      std::vector<uint64_t> v(rounds);
-      CK(cudaMemcpy(v.data(), out, rounds * 8, cudaMemcpyDeviceToHost));
       uint64_t torn = 0;
       CK(cudaMemcpy(&torn, tears, 8, cudaMemcpyDeviceToHost));
-      std::vector<uint64_t> all(v.begin() + 10, v.end());
-      std::sort(all.begin(), all.end());
+      const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
       std::printf("%s{\"format\": \"%s\", \"data_bytes\": %d, \"stored_bytes\": %d, "
                   "\"sender_ctas\": %d, \"rep\": %d, \"min_ns\": %llu, \"median_ns\": %llu, "
                   "\"p90_ns\": %llu, \"torn_polls\": %llu}",
@@ -743,12 +739,8 @@ int main(int argc, char** argv) {
       crossing<<<2, 512>>>(meta, row, sync, cout, rounds, modes[m][0], modes[m][1], modes[m][2]);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
-      std::vector<uint64_t> v(2 * rounds);
-      CK(cudaMemcpy(v.data(), cout, v.size() * 8, cudaMemcpyDeviceToHost));
-      std::vector<uint64_t> all(v.begin() + 10, v.begin() + rounds);
-      std::vector<uint64_t> md(v.begin() + rounds + 10, v.end());
-      std::sort(all.begin(), all.end());
-      std::sort(md.begin(), md.end());
+      const std::vector<uint64_t> all = sorted_rounds(cout, 0, rounds);
+      const std::vector<uint64_t> md = sorted_rounds(cout, rounds, rounds);
       std::printf("%s\"%s\": {\"all_units_median\": %llu, \"metadata_median\": %llu}",
                   m ? ", " : "", names[m],
                   (unsigned long long)all[all.size() / 2], (unsigned long long)md[md.size() / 2]);
@@ -772,10 +764,7 @@ int main(int argc, char** argv) {
       crossing_spread<<<2 * gs[i], 512>>>(meta, row, sync, cout, rounds, gs[i]);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
-      std::vector<uint64_t> v(rounds);
-      CK(cudaMemcpy(v.data(), cout, v.size() * 8, cudaMemcpyDeviceToHost));
-      std::vector<uint64_t> all(v.begin() + 10, v.end());
-      std::sort(all.begin(), all.end());
+      const std::vector<uint64_t> all = sorted_rounds(cout, 0, rounds);
       std::printf("%s\"%d\": %llu", i ? ", " : "", gs[i], (unsigned long long)all[all.size() / 2]);
     }
   }
