@@ -436,8 +436,8 @@ static int ipc_main(int rank, const char* dir) {
 // sender stamps its start (globaltimer) and then, by mode: 0 stores at once; 1 first loads
 // an 8 KB source row (a separate buffer, as the dispatch loads its tokens) and stores it; 2 as
 // 1, but its last warp first asks L2 for the row's first and last lines (prefetch.global.L2,
-// AFDEP_WARM_LINES' hint). out[r]: ns from the sender's start stamp to the receiver's "all
-// seen" (fresh kernels against crossing_fmt's persistent sender).
+// as the library's small forms once tried). out[r]: ns from the sender's start stamp to the
+// receiver's "all seen" (fresh kernels against crossing_fmt's persistent sender).
 __global__ void fresh_send(uint64_t* row, const int4* src, uint64_t* stamp, int slots, int r,
                            int mode) {
   const int tid = threadIdx.x;
@@ -669,6 +669,9 @@ static int rows_main() {
 }
 
 int main(int argc, char** argv) {
+  // every kernel loaded at start: fresh mode launches its sender beside a running receiver,
+  // and under lazy loading (CUDA 12's default) that launch waited for the receiver to end
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
   if (argc == 2 && std::string(argv[1]) == "fresh") return fresh_main();

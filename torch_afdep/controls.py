@@ -1,8 +1,8 @@
 """The protocol controls (a view of :mod:`torch_afdep.env`, which holds every ``AFDEP_*``
 variable): each control defaults to 1 (the role-aware change on) except the experimental
-``AFDEP_RAW_META``, ``AFDEP_FANOUT_EXPAND``, ``AFDEP_WARM_LINES`` and ``AFDEP_SPREAD_SEND``;
-0 reverts that one change, and ``AFDEP_SYMMETRIC=1`` reverts all of them at once, so the
-same kernels run the symmetric union protocol the benchmarks compare against. docs/protocol.md describes each. All
+``AFDEP_RAW_META`` and ``AFDEP_FANOUT_EXPAND``; 0 reverts that one
+change, and ``AFDEP_SYMMETRIC=1`` reverts all of them at once, so the same kernels run the
+symmetric union protocol the benchmarks compare against. docs/protocol.md describes each. All
 ranks of a group must agree (checked when a CUDA transport is created).
 """
 

@@ -225,20 +225,6 @@ _CONTROLS = (
              "BF16) the round trip is 2.2%, 1.2% and 2.4% shorter; the same outputs; 0 = each "
              "unit spun on in turn (a unit whose first load was stale costs a latency of its "
              "own after the one before it is seen)"),
-    _control("AFDEP_WARM_LINES", 23, 0,
-             "experimental, off by default (not yet run on a GPU): every small kernel form of flagged units asks L2, "
-             "at its start, for the first and last lines it will store to (the dispatch's and "
-             "the reply's units in the peers' windows, the receive's and the collect's "
-             "outputs), so that their page translations are fetched beside the kernel's first "
-             "loads, not in front of its first remote store (a prefetch hint; the same "
-             "outputs); 0 = no such hints"),
-    _control("AFDEP_SPREAD_SEND", 24, 0,
-             "experimental, off by default (not yet run on a GPU): with AFDEP_LONE_TOKEN, a dispatch of flagged units "
-             "with fewer tokens than channels (T < S) lets the sender CTAs that hold no token "
-             "store parts of the tokens' rows (CTA c: part c / T of token c % T's row), so that "
-             "a token's 16 KB of row units leave through several SMs instead of one, and its "
-             "count and metadata units do not queue behind them; the same outputs; 0 = each "
-             "token's CTA stores its whole row"),
 )
 
 SYMMETRIC = "AFDEP_SYMMETRIC"
@@ -411,6 +397,11 @@ RETIRED: Dict[str, str] = {
                          "-0.2% at T = 1 and 7",
     "AFDEP_LL_CONTIG": "removed in session 47: +0.1% at T = 1 in both layouts, -1.6% and "
                        "+0.7% at T = 7 (token, expert layout)",
+    "AFDEP_SPREAD_SEND": "removed in session 48: +2.7% (token layout) and +1.3% (expert "
+                         "layout) at T = 1, +1.0% and +1.3% at T = 7",
+    "AFDEP_WARM_LINES": "removed in session 48: its token-layout graph replays timed out (cause "
+                        "not found); a fresh kernel's first load costs 0.05 us more than a "
+                        "warm one's, the most its hints could save",
 }
 
 

@@ -204,7 +204,6 @@ void Comm::dispatch(uint64_t x, uint64_t x_scales, uint64_t expert_ids, bool ids
   a.weights = reinterpret_cast<const float*>(weights);
   a.route = reinterpret_cast<int64_t*>(route);
   a.T = T;
-  a.div_T = make_fast_div((uint32_t)(T > 1 ? T : 1));
   a.do_send = 1;
   a.real_send = 1;
   a.do_recv = all_peers ? 1 : 0;

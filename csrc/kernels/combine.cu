@@ -504,24 +504,6 @@ __device__ void collect_chunk(const Layout& L, const CombineArgs& a, int t, int 
   }
 }
 
-// F_WARM_LINES (experimental), one warp at a kernel's start: the reply's units at every
-// Attention rank (the start units, the first line of its first row and the last of its last),
-// and the collect's output (its first and last lines)
-__device__ __forceinline__ void warm_combine_lines(const Layout& L, const CombineArgs& a,
-                                                   bool send, bool recv) {
-  const int lane = threadIdx.x & 31;
-  for (int ai = lane; send && ai < L.A; ai += 32) {
-    char* base = attn_window(L, ai);
-    warm_line(llc_start(L, base, L.my_index));
-    warm_line(llc_row(L, base, L.my_index, 0));
-    warm_line(llc_row(L, base, L.my_index, L.llc_tokens - 1) + L.H / 2 - 2);
-  }
-  if (recv && a.out != nullptr && a.T > 0 && lane < 2) {
-    const char* o = static_cast<const char*>(a.out);
-    warm_line(lane == 0 ? o : o + (size_t)a.T * L.H * 2 - 16);
-  }
-}
-
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see combine_form)
 // only one role's path: the token layout's flagged-unit reply or collect, the expert layout's
 // one-pass reply or its count-form collect, so that their code is compact
@@ -557,8 +539,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   const int nw = gridDim.x * kWarps;
   const int nv = L.H / 8;
   trace_mark(L, kTrStart, kTrMaxStart);
-  if (kUnits && (fl & F_WARM_LINES) && warp == kWarps - 1)
-    warm_combine_lines(L, a, !kRecvOnly && a.do_send, !kSendOnly && a.do_recv);
 
   if (!kSmall && !(fl & F_NO_ENTRY_BARRIER)) {
     if (!entry_barrier(L, kPhaseCombine, n, deadline, L.err)) return;

@@ -355,14 +355,6 @@ __device__ __forceinline__ void ld_ll2(const uint64_t* p, uint64_t& a, uint64_t&
                : "memory");
 }
 
-// F_WARM_LINES (experimental): asks L2 for a line a kernel will store to or read later, at its
-// start, so that the line's page translation is fetched beside the kernel's first loads
-// instead of in front of its first remote store (a hint: nothing waits for it, and a null p
-// asks for nothing)
-__device__ __forceinline__ void warm_line(const void* p) {
-  if (p != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 __device__ __forceinline__ bool ll_fresh(uint64_t v, uint32_t flag) {
   return (uint32_t)(v >> 32) == flag;
 }

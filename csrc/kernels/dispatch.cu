@@ -206,49 +206,20 @@ struct Preload {
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
   bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
-  bool part;         // F_SPREAD_SEND: a helper CTA holding part of token `tok`'s row (v / e / w)
-  int tok;           // F_SPREAD_SEND: the token whose part v holds (its channel: chunk is 1)
-  int v0, vn;        // lone or part: v holds the token's row vectors [v0, v0 + vn)
 };
-
-// F_SPREAD_SEND (with F_LONE_TOKEN, the flagged-unit send forms): fewer tokens than channels,
-// so every CTA holds at most one token and CTAs T .. S - 1 hold none. CTA c then stores part
-// c / T of token c % T's row, of as many parts as there are channels c' with c' % T == c % T
-// (part 0: the token's own CTA, which also claims it). At T = 1 one CTA's 16 KB of row units
-// would leave through one SM, and the token's count and metadata units queue behind them.
-__device__ __forceinline__ bool spread_send(const Layout& L, const DispatchArgs& a, bool units) {
-  constexpr uint32_t kNeeds = F_SPREAD_SEND | F_LONE_TOKEN;
-  return units && (L.flags & kNeeds) == kNeeds && a.T > 0 && a.T < L.S &&
-         (int)blockIdx.x < L.S &&  // (the send's grid is S CTAs: no part past the last)
-         L.row_bytes / 16 <= kPreVecs * kThreads && L.scale_cols <= kThreads;
-}
 
 // units: this launch sends flagged units (F_LL_SMALL)
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
                                                Preload& p, bool units) {
-  p.ids = p.rows = p.lone = p.part = false;
+  p.ids = p.rows = p.lone = false;
   p.e = -1;
   p.w = 0.f;
-  p.tok = p.v0 = p.vn = 0;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int nv = L.row_bytes / 16;
-  int lo, ntok;
-  if (spread_send(L, a, units)) {  // one token or none per CTA: token c % T, part c / T
-    const int c = blockIdx.x, j = fast_div(c, a.div_T), t = c - j * a.T;
-    const int n = fast_div(L.S - 1 - t, a.div_T) + 1;
-    lo = t;
-    ntok = 1;
-    p.v0 = j * nv / n;
-    p.vn = (j + 1) * nv / n - p.v0;
-    p.part = j > 0;  // j = 0: the token's own CTA, which claims it
-  } else {
-    const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
-    lo = min(a.T, (int)blockIdx.x * chunk);
-    ntok = min(a.T, lo + chunk) - lo;
-    p.vn = ntok * nv;
-    if (ntok <= 0) return;
-  }
+  const int chunk = fast_div(a.T + L.S - 1, L.div_S);  // the row loads' addresses wait for it
+  const int lo = min(a.T, (int)blockIdx.x * chunk), hi = min(a.T, lo + chunk);
+  const int ntok = hi - lo, nv = L.row_bytes / 16;
+  if (ntok <= 0) return;
   // F_LONE_TOKEN: every warp loads the token's ids, to know the FFN ranks it stores to
   const bool lone = units && ntok == 1 && (L.flags & F_LONE_TOKEN);
   if ((warp < ntok || lone) && lane < L.k) {
@@ -257,18 +228,16 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
                    : (long long)reinterpret_cast<const int*>(a.expert_ids)[j];
     p.w = a.weights[j];
   }
-  p.tok = lo;
-  p.ids = warp < ntok && !p.part;
-  p.rows = !p.part && ntok < kWarps && ntok * nv <= kPreVecs * kThreads &&
-           ntok * L.scale_cols <= kThreads;
+  p.ids = warp < ntok;
+  p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
   p.lone = lone && p.rows;
-  if (!p.rows && !p.part) return;
+  if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                (size_t)lo * L.row_bytes) + p.v0;
+                                                (size_t)lo * L.row_bytes);
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j)
-    if (tid + j * kThreads < p.vn) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
-  if (!p.part && L.scale_cols && tid < ntok * L.scale_cols)
+    if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
+  if (L.scale_cols && tid < ntok * L.scale_cols)
     p.s = a.x_scales[(size_t)lo * L.scale_cols + tid];
 }
 
@@ -285,8 +254,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
     const int v = tid + j * kThreads;
-    if (v >= (kLone ? p.vn : ntok * nv)) continue;  // kLone: vectors [v0, v0 + vn) of one row
-    const int i = kLone ? 0 : fast_div(v, L.div_nv), col = kLone ? p.v0 + v : v - i * nv;
+    if (v >= ntok * nv) continue;
+    const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
@@ -301,7 +270,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       reinterpret_cast<int4*>(b + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
     }
   }
-  if (L.scale_cols && tid < ntok * L.scale_cols && !p.part) {  // (a part: the row's owner's)
+  if (L.scale_cols && tid < ntok * L.scale_cols) {
     const int i = fast_div(tid, L.div_sc), q = tid - i * L.scale_cols;
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
@@ -1451,65 +1420,32 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
-// F_SPREAD_SEND: a CTA holding part j > 0 of token pre.tok's row (pre.part) runs this too: no
-// claim, its own region's count units say no token, and its part goes into that token's units
-// (slot 0 of the token's channel's region) at the FFN ranks its ids reach
 template <bool kRaw = false, bool kShuffle = false>
 __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t n,
                                 const Preload& pre) {
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
-  const int t = pre.tok;  // this CTA's token (chunk is 1), or the token it stores a part of
-  const bool own = !pre.part;
+  const int T = a.T, chunk = fast_div(T + L.S - 1, L.div_S), t = c * chunk;  // lo; hi = t + 1
   const uint32_t llf = ll_flag(n);
   const int src_idx = L.my_index;  // the token layout's regions: by Attention index
-  if (!kRaw && own && warp == 0) {
+  if (!kRaw && warp == 0) {
     claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
                                 c, true, pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
-  if (kRaw && own && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
-  // this CTA's own region's count units: its token (or, a part's CTA, none) at each FFN rank
+  if (kRaw && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
   for (int fd = tid - 32; fd < L.F; fd += blockDim.x)  // warp 0 claims meanwhile
     if (fd >= 0)
-      st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), own ? (int)((fmask >> fd) & 1) : 0,
-             (kRaw && own ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
-  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, t, pre, llf, fmask);
-  if (kRaw && own && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
+      st_ll2(ll_region(L, ffn_window(L, fd), src_idx, c), (int)((fmask >> fd) & 1),
+             (kRaw ? kAheadRaw : kAheadNone) | (a.bucket << kAheadBits), llf);
+  copy_preloaded<true>(L, a, nullptr, 1, nullptr, src_idx, c, pre, llf, fmask);
+  if (kRaw && warp == 0) {  // the route: the same FFN ranks as the claim's (fmask)
     if (threadIdx.x < L.k && (pre.e < -1 || pre.e >= L.E)) report_route(L.err, pre.e, 0);
     if (threadIdx.x == 0) a.route[t] = (int64_t)fmask;
     trace_mark(L, kTrClaimed, -1);
   }
   trace_mark(L, kTrCopied, -1);
   trace_mark(L, kTrSent, kTrMaxSent);
-}
-
-// F_WARM_LINES (experimental), one warp at a kernel's start: a sender CTA's region of flagged
-// units at every FFN rank (its first line, the count, and its last), and a receive's outputs
-// (the first line of each)
-__device__ __forceinline__ void warm_dispatch_lines(const Layout& L, const DispatchArgs& a,
-                                                    bool send, bool recv) {
-  const int lane = threadIdx.x & 31;
-  if (send) {
-    for (int i = lane; i < 2 * L.F; i += 32) {
-      const uint64_t* r = ll_region(L, ffn_window(L, i >> 1), L.my_index, blockIdx.x);
-      warm_line((i & 1) ? r + L.ll_region_units - 2 : r);
-    }
-  }
-  if (recv && blockIdx.x == 0) {  // a chain of selects, not an indexed (local-memory) array
-    const void* o = lane == 0   ? (const void*)a.out_expert_ids
-                    : lane == 1 ? (const void*)a.out_weights
-                    : lane == 2 ? (const void*)a.out_src_rank
-                    : lane == 3 ? (const void*)a.out_src_token
-                    : lane == 4 ? (const void*)a.out_num_tokens
-                    : lane == 5 ? (const void*)a.out_token_index
-                    : lane == 6 ? (const void*)a.out_token_rows
-                    : lane == 7 ? (const void*)a.out_offsets
-                    : lane == 8 ? a.out_x
-                    : lane == 9 ? (const void*)a.out_scales
-                                : nullptr;
-    warm_line(o);
-  }
 }
 
 // kForm (KernelForm, afdep/forms.h): kGeneric runs every path; the small forms (see
@@ -1539,8 +1475,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   if (kSmall || (L.flags & kDirectional) == kDirectional) pdl_launch_dependents(L);
   Preload pre;  // (F_LONE_TOKEN: the small send form only, kept out of the generic kernel)
   if (!kRecvOnly) preload_sender(L, a, pre, kUnits);
-  if (kUnits && (L.flags & F_WARM_LINES) && (threadIdx.x >> 5) == kWarps - 1)
-    warm_dispatch_lines(L, a, !kRecvOnly && a.do_send, !kSendOnly && a.do_recv);
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5;
   const uint32_t fl = L.flags;
   // window base of every FFN rank, loaded once (in the shadow of the exchange number's load)
@@ -1569,7 +1503,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
     if (!entry_barrier(L, kPhaseDispatch, n, deadline, L.err)) return;
   }
 
-  if (kUnits && !kRecvOnly && a.do_send && (pre.lone || pre.part)) {
+  if (kUnits && !kRecvOnly && a.do_send && pre.lone) {
     send_lone_token<kForm == kRawSend, kShuffle>(L, a, n, pre);
   } else if (!kRecvOnly && a.do_send) {
     int* s_cnt = smem;                 // [F] slots claimed per destination FFN

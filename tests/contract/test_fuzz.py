@@ -111,34 +111,12 @@ def test_default_seeds_cover_the_edges():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fuzz_exchanges(world, device):
-    _fuzz(world, device)
-
-
-@pytest.mark.devices("cuda")
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fuzz_exchanges_warm_lines(world, device):
-    """The CUDA configurations with AFDEP_WARM_LINES=1 (experimental, off by default): every
-    small form's prefetch hints, over the fuzz's worlds, sizes and both layouts, change no
-    output."""
-    _fuzz(world, device, extra_env={"AFDEP_WARM_LINES": "1"})
-
-
-@pytest.mark.devices("cuda")
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fuzz_exchanges_spread_send(world, device):
-    """The CUDA configurations with AFDEP_SPREAD_SEND=1 (experimental, off by default): rows
-    stored in parts by the sender CTAs that hold no token, over the fuzz's worlds, sizes (T
-    from 0 to the bucket, against the channel count) and both layouts, change no output."""
-    _fuzz(world, device, extra_env={"AFDEP_SPREAD_SEND": "1"})
-
-
-def _fuzz(world, device, extra_env=None):
     seeds = WORLDS.get(world, [])
     if device == "cuda" and not (env.get("AFDEP_FUZZ_SEEDS") or env.get("AFDEP_FUZZ_SEED")):
         seeds = [s for s in seeds if s < GPU_CONFIGS or s in REGRESSION_SEEDS]
     if not seeds:
         pytest.skip(f"no seed of this run has world size {world}")
-    results = spawn_on(device, fz.fuzz_world, world, seeds, env=extra_env,
+    results = spawn_on(device, fz.fuzz_world, world, seeds,
                        timeout=120 + 15 * len(seeds))
     problems = []
     for rank, per_seed in enumerate(results):

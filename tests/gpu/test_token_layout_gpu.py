@@ -752,31 +752,6 @@ def test_token_layout_delayed_sender(layout, settle):
 
 
 @pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
-def test_token_layout_warm_lines_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_WARM_LINES=1 (experimental, off by
-    default): the small forms prefetch the lines they will store to at their start (1A3F: a
-    sender's regions at three FFN ranks; 3A1F: a reply's units at three Attention ranks).
-    Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1", "AFDEP_WARM_LINES": "1"},
-                     cap=4, zero_copy=True, attention_send_form="kSmallSend",
-                     ffn_receive_form="kSmallRecv")
-
-
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("1A3F", "bfloat16"), ("3A1F", "bfloat16"),
-                                               ("1A1F", "float8_e4m3fn")])
-def test_token_layout_spread_send_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_SPREAD_SEND=1 (experimental, off by
-    default): where a rank sends fewer tokens than it has channels, the CTAs without a token
-    store parts of the tokens' rows (1A3F: parts at three FFN ranks; FP8: the scales from the
-    token's own CTA). Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1", "AFDEP_SPREAD_SEND": "1"},
-                     cap=4, zero_copy=True, attention_send_form="kSmallSend",
-                     ffn_receive_form="kSmallRecv")
-
-
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
                                                ("1A3F", "bfloat16")])
 def test_token_layout_ll_generic_kernels_graphs(layout, dtype_name):
     """test_token_layout_ll_small_graphs with AFDEP_SMALL_KERNELS=0: the same flagged units

@@ -17,7 +17,6 @@ struct DispatchArgs {
   const float* weights;   // [T, k]
   int64_t* route;         // [T] out
   int T;
-  FastDiv div_T;          // by max(T, 1): F_SPREAD_SEND's token and part of a tokenless CTA
   int do_send;            // this rank runs the send stage (real or dummy sender)
   int real_send;          // this rank has tokens (Attention)
   int stride;             // inbox slots per (source, channel) of this exchange: L.slots, or

@@ -61,12 +61,7 @@ namespace afdep {
   X(SHUFFLE_MATCH, 27)      /* a token's repeated ids found by shuffles, not MATCH.ANY: the   \
                                sender's claim and the expert layout's lone receive */         \
   X(SETTLE_UNITS, 29)       /* the token layout's receive of flagged units polls a token's    \
-                               metadata units together, not one after another */              \
-  X(WARM_LINES, 23)         /* the small forms ask L2, at their start, for the first and last \
-                               lines they will store to (remote units, the receive's outputs) \
-                               (experimental) */                                              \
-  X(SPREAD_SEND, 24)        /* F_LONE_TOKEN with fewer tokens than channels: the CTAs that    \
-                               hold no token store parts of the tokens' rows (experimental) */
+                               metadata units together, not one after another */
 
 enum ControlFlags : uint32_t {
 #define AFDEP_CONTROL_ENUM(name, bit) F_##name = 1u << (bit),
