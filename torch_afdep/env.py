@@ -399,9 +399,8 @@ RETIRED: Dict[str, str] = {
                        "+0.7% at T = 7 (token, expert layout)",
     "AFDEP_SPREAD_SEND": "removed in session 48: +2.7% (token layout) and +1.3% (expert "
                          "layout) at T = 1, +1.0% and +1.3% at T = 7",
-    "AFDEP_WARM_LINES": "removed in session 48: its token-layout graph replays timed out (cause "
-                        "not found); a fresh kernel's first load costs 0.05 us more than a "
-                        "warm one's, the most its hints could save",
+    "AFDEP_WARM_LINES": "removed in session 48 before its A/B: its token-layout graph "
+                        "replays timed out (cause not found)",
 }
 
 
