@@ -539,16 +539,32 @@ static int fresh_main() {
 // the first store to the last receiver CTA's "all seen"; out[rounds + r]: to the metadata
 // seen. Is it the sender's SM (one CTA's 16 KB in front of its metadata) or the receiver's
 // (its warps polling the row beside the metadata's poll) that the metadata waits behind?
+// H hammer CTAs (after the receivers) stand for the FFN's other receive CTAs, which spin on
+// every region's count units until they see them: lane 0 of each polls the metadata's first
+// unit (the line the token's count units share), lanes 1-23 as many other lines that nobody
+// writes, until lane 0 sees the round. Does a line that many SMs poll take longer to show a
+// store?
 __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t* out,
-                               int rounds, int G, int Rc, int meta_last, int meta_alone) {
+                               const uint64_t* idle, int rounds, int G, int Rc, int meta_last,
+                               int meta_alone) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slots = 1024;
-  const bool sender = blockIdx.x < G;
+  const bool sender = blockIdx.x < G, hammer = (int)blockIdx.x >= G + Rc;
   const uint64_t deadline = now_ns() + 5000000000ull;
   __shared__ int s_quit;
   if (tid == 0) s_quit = 0;
   __syncthreads();
   for (int r = 1; r <= rounds; ++r) {
     const uint64_t f = (uint64_t)r << 32;
+    if (hammer) {
+      if (warp != 0) continue;
+      bool seen = false;
+      while (!seen) {  // (the unit holds round r - 1 until the sender stores r)
+        const uint64_t v = lane == 0 ? ld_sys(meta) : lane < 24 ? ld_sys(idle + 16 * lane) : 0;
+        seen = __shfl_sync(0xffffffffu, (uint32_t)(v >> 32), 0) == (uint32_t)r;
+        if (now_ns() > deadline) return;
+      }
+      continue;
+    }
     if (sender) {
       const int g = blockIdx.x;
       if (tid == 0) {
@@ -590,15 +606,18 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
 
 static int queue_main() {
   const int rounds = 210;
-  uint64_t *meta, *row, *sync, *out;
+  uint64_t *meta, *row, *sync, *out, *idle;
   CK(cudaMalloc(&meta, 64 * 8));
+  CK(cudaMalloc(&idle, 24 * 16 * 8));
+  CK(cudaMemset(idle, 0, 24 * 16 * 8));
   CK(cudaMalloc(&row, 2 * 1024 * 8));
   CK(cudaMalloc(&sync, 32 * 8));
   CK(cudaMalloc(&out, 2 * rounds * 8));
-  struct Case { int G, Rc, meta_last, meta_alone; };
-  const Case cases[] = {{1, 2, 1, 0}, {1, 2, 0, 0}, {4, 2, 1, 0}, {24, 2, 1, 0},
-                        {1, 3, 1, 1}, {24, 3, 1, 1}, {1, 8, 1, 0}, {24, 8, 1, 0},
-                        {1, 9, 1, 1}, {24, 9, 1, 1}};
+  struct Case { int G, Rc, meta_last, meta_alone, H; };
+  const Case cases[] = {{1, 2, 1, 0, 0},  {1, 2, 0, 0, 0},  {4, 2, 1, 0, 0},  {24, 2, 1, 0, 0},
+                        {1, 3, 1, 1, 0},  {24, 3, 1, 1, 0}, {1, 8, 1, 0, 0},  {24, 8, 1, 0, 0},
+                        {1, 9, 1, 1, 0},  {24, 9, 1, 1, 0}, {1, 2, 1, 0, 23}, {1, 2, 0, 0, 23},
+                        {1, 2, 1, 0, 48}, {1, 2, 0, 0, 48}};
   std::printf("{\"rounds\": %d, \"cases\": [", rounds - 10);
   bool first = true;
   for (const Case& k : cases) {
@@ -607,16 +626,16 @@ static int queue_main() {
       CK(cudaMemset(row, 0, 2 * 1024 * 8));
       CK(cudaMemset(sync, 0, 32 * 8));
       CK(cudaMemset(out, 0, 2 * rounds * 8));
-      crossing_queue<<<k.G + k.Rc, 512>>>(meta, row, sync, out, rounds, k.G, k.Rc, k.meta_last,
-                                          k.meta_alone);
+      crossing_queue<<<k.G + k.Rc + k.H, 512>>>(meta, row, sync, out, idle, rounds, k.G, k.Rc,
+                                                k.meta_last, k.meta_alone);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
       const std::vector<uint64_t> md = sorted_rounds(out, rounds, rounds);
       std::printf("%s{\"sender_ctas\": %d, \"receiver_ctas\": %d, \"meta_last\": %d, "
-                  "\"meta_alone\": %d, \"rep\": %d, \"all_median_ns\": %llu, "
-                  "\"meta_median_ns\": %llu, \"meta_p90_ns\": %llu}",
-                  first ? "" : ", ", k.G, k.Rc, k.meta_last, k.meta_alone, rep,
+                  "\"meta_alone\": %d, \"hammer_ctas\": %d, \"rep\": %d, "
+                  "\"all_median_ns\": %llu, \"meta_median_ns\": %llu, \"meta_p90_ns\": %llu}",
+                  first ? "" : ", ", k.G, k.Rc, k.meta_last, k.meta_alone, k.H, rep,
                   (unsigned long long)all[all.size() / 2], (unsigned long long)md[md.size() / 2],
                   (unsigned long long)md[md.size() * 9 / 10]);
       first = false;
