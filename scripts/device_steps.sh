@@ -21,6 +21,13 @@
 #   bench  benchmarks.run, arms afdep and symmetric, both layouts, T = BENCH_T (default
 #          "1 32 128 512 2048"), BENCH_REPEATS (default 3), within what is left
 #   profile  scripts/gpu_profile.sh (ncu per kernel in lockstep; its CELLS, EXCHANGES, SAMPLED)
+#   probe  scripts/poll_probe.cu built with nvcc and run once per mode of PROBE_MODES (default
+#          "queue fresh"; "main" runs it without a mode), each within PROBE_TIMEOUT s (default
+#          40), into $OUT/probe/<mode>.json (stderr beside it as <mode>.err); always from this
+#          checkout, whatever TREE says
+# TREE=<folder>: the library steps build and run the checkout in that folder instead (e.g. an
+# older commit's `git archive` under .carry/, carried with `run`), to measure a control that a
+# later commit removed; the call's own .carry/py still goes on PYTHONPATH.
 # Every step but profile is one scripts/gpu_suite.sh call with the parts it needs turned on
 # (files under $OUT/<step>, its log in $OUT/<step>.log); both ranks share the one GPU under
 # the CUDA MPS daemon that gpu_suite.sh starts and stops.
@@ -46,11 +53,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$ROOT/c
 # run_suite NAME SECONDS [VAR=VALUE ...]: one scripts/gpu_suite.sh call within SECONDS, its files
 # under $ROOT/NAME; by default it builds nothing and runs nothing (the VARs turn parts on).
 # gpu_suite.sh starts the MPS daemon and stops it, waiting, as it exits.
+SELF=$PWD
+LIB=${TREE:-$SELF}
+if [ ! -d "$LIB/scripts" ]; then stamp "TREE=$LIB: no checkout there"; STEPS=""; fi
+if [ -d "$SELF/.carry/py" ]; then export PYTHONPATH="$SELF/.carry/py:${PYTHONPATH:-}"; fi
 run_suite() {
   local name=$1 t=$2
   shift 2
-  env OUT="$ROOT/$name" BUILD=skip SKIP_TESTS=1 SKIP_SAN=1 SKIP_BENCH=1 "$@" \
-    timeout -k 10 "$t" bash scripts/gpu_suite.sh custom > "$ROOT/$name.log" 2>&1
+  (cd "$LIB" && env OUT="$ROOT/$name" BUILD=skip SKIP_TESTS=1 SKIP_SAN=1 SKIP_BENCH=1 "$@" \
+    timeout -k 10 "$t" bash scripts/gpu_suite.sh custom) > "$ROOT/$name.log" 2>&1
   stamp "$name rc=$?"
 }
 for s in ${STEPS:-}; do
@@ -103,8 +114,25 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
   profile)
     t=$(secs 15); [ -n "$t" ] || continue
     stamp "profile CELLS=${CELLS:-default}"
-    OUT="$ROOT/profile" timeout -k 10 "$t" bash scripts/gpu_profile.sh > "$ROOT/profile.log" 2>&1
+    (cd "$LIB" && OUT="$ROOT/profile" timeout -k 10 "$t" bash scripts/gpu_profile.sh) \
+      > "$ROOT/profile.log" 2>&1
     stamp "profile rc=$?";;
+  probe)
+    t=$(secs 15); [ -n "$t" ] || continue
+    mkdir -p "$ROOT/probe"
+    stamp "probe ${PROBE_MODES:-queue fresh}"
+    if ! timeout -k 5 "$t" nvcc -O3 -arch=sm_90a -o "$ROOT/probe/poll_probe" \
+        "$SELF/scripts/poll_probe.cu" > "$ROOT/probe/build.log" 2>&1; then
+      stamp "probe: nvcc failed (probe/build.log)"; continue
+    fi
+    for m in ${PROBE_MODES:-queue fresh}; do
+      t=$(( $(left) - 15 )); [ "$t" -gt "${PROBE_TIMEOUT:-40}" ] && t=${PROBE_TIMEOUT:-40}
+      if [ "$t" -lt 5 ]; then stamp "probe $m skipped: ${t}s left"; break; fi
+      arg=$m; [ "$m" = main ] && arg=""
+      timeout -k 5 "$t" "$ROOT/probe/poll_probe" $arg > "$ROOT/probe/$m.json" 2> "$ROOT/probe/$m.err"
+      stamp "probe $m rc=$?"
+    done
+    rm -f "$ROOT/probe/poll_probe";;
   *) stamp "unknown step $s";;
   esac
 done

@@ -62,3 +62,19 @@ def test_numbered_trace_steps_read_their_own_settings(tmp_path):
                   TRACE2_LAYOUTS="tokens", TRACE2_EXTRA="--afdep-env X=1")
     assert len(lines) == 3 and lines[1].startswith("skipped: "), lines
     assert lines[2] == "call done", lines
+
+
+def test_probe_step_is_known_and_bounded_by_the_time_left(tmp_path):
+    """probe is a step (poll_probe's modes), not an unknown one: with no time left it says so
+    before building anything."""
+    lines = _call(tmp_path, STEPS="probe", LIMIT="30", PROBE_MODES="queue")
+    assert len(lines) == 3 and lines[1].startswith("skipped: "), lines
+    assert lines[2] == "call done", lines
+
+
+def test_a_tree_that_is_no_checkout_runs_no_step(tmp_path):
+    """TREE names the checkout the library steps build and run; where it holds none the call
+    says so, runs none of its steps and still packs."""
+    lines = _call(tmp_path, STEPS="build suite", LIMIT="600", TREE=str(tmp_path / "nonesuch"))
+    assert lines[1] == f"TREE={tmp_path / 'nonesuch'}: no checkout there", lines
+    assert lines[2:] == ["call done"], lines
