@@ -558,9 +558,9 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
     if (hammer) {
       if (warp != 0) continue;
       bool seen = false;
-      while (!seen) {  // (the unit holds round r - 1 until the sender stores r)
+      while (!seen) {  // (>= r: a hammer that missed round r stops at r + 1's store)
         const uint64_t v = lane == 0 ? ld_sys(meta) : lane < 24 ? ld_sys(idle + 16 * lane) : 0;
-        seen = __shfl_sync(0xffffffffu, (uint32_t)(v >> 32), 0) == (uint32_t)r;
+        seen = __shfl_sync(0xffffffffu, (uint32_t)(v >> 32), 0) >= (uint32_t)r;
         if (now_ns() > deadline) return;
       }
       continue;
@@ -689,7 +689,7 @@ static int rows_main() {
 
 int main(int argc, char** argv) {
   // every kernel loaded at start: fresh mode launches its sender beside a running receiver,
-  // and under lazy loading (CUDA 12's default) that launch waited for the receiver to end
+  // and under lazy loading (CUDA's default) that launch waited for the receiver to end
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
