@@ -57,6 +57,19 @@ __device__ __forceinline__ void st_rel_sys(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void put(uint64_t* p, uint64_t v, bool release) {
   if (release) st_rel_sys(p, v); else st_sys(p, v);
 }
+// A sender CTA's start of round r: thread 0 waits until the receiver side posts r at *go
+// (it is polling round r), then stamps the round's start at *stamp (null: no stamp); false in
+// every thread at the deadline
+__device__ bool sender_round_start(const uint64_t* go, uint64_t r, uint64_t* stamp,
+                                   uint64_t deadline) {
+  int quit = 0;
+  if (threadIdx.x == 0) {
+    while (ld_sys(go) != r)
+      if (now_ns() > deadline) { quit = 1; break; }
+    if (stamp != nullptr) st_sys(stamp, now_ns());
+  }
+  return !__syncthreads_or(quit);
+}
 
 struct Args {
   uint64_t* chain;   // [kChain * 16]: a pointer chase, one 128-B line a step
@@ -138,19 +151,10 @@ __global__ void crossing(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t
   auto unit = [&](int v, int h) {
     return contiguous ? 128 * (v >> 5) + 64 * h + 2 * (v & 31) : 4 * v + 2 * h;
   };
-  __shared__ int s_quit;
-  if (tid == 0) s_quit = 0;
-  __syncthreads();
   for (int r = 1; r <= rounds; ++r) {
     const uint64_t f = (uint64_t)r << 32;
     if (blockIdx.x == 0) {
-      if (tid == 0) {  // the receiver is polling round r
-        while (ld_sys(sync) != (uint64_t)r)
-          if (now_ns() > deadline) { s_quit = 1; break; }
-        st_sys(sync + 16, now_ns());
-      }
-      __syncthreads();
-      if (s_quit) return;
+      if (!sender_round_start(sync, r, sync + 16, deadline)) return;
       if (warp == 0 && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
       const int v = tid;
       uint64_t* p0 = row + unit(v, 0);
@@ -208,19 +212,11 @@ __global__ void crossing_spread(uint64_t* meta, uint64_t* row, uint64_t* sync, u
   const int per = kRowVecs / G, v = g * per + tid;
   const bool mine = tid < per;
   const uint64_t deadline = now_ns() + 5000000000ull;
-  __shared__ int s_quit;
-  if (tid == 0) s_quit = 0;
-  __syncthreads();
   for (int r = 1; r <= rounds; ++r) {
     const uint64_t f = (uint64_t)r << 32;
     if (sender) {
-      if (tid == 0) {  // every receiver CTA is polling round r
-        while (ld_sys(sync + 32 * g) != (uint64_t)r)
-          if (now_ns() > deadline) { s_quit = 1; break; }
-        if (g == 0) st_sys(sync + 16, now_ns());
-      }
-      __syncthreads();
-      if (s_quit) return;
+      // (every receiver CTA posts at its own word)
+      if (!sender_round_start(sync + 32 * g, r, g == 0 ? sync + 16 : nullptr, deadline)) return;
       if (g == 0 && warp == 0 && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
       if (mine) {
         uint64_t* p = row + 4 * v;
@@ -292,19 +288,10 @@ __global__ void crossing_fmt(uint64_t* row, uint64_t* sync, uint64_t* out, uint6
   const int tid = threadIdx.x, lane = tid & 31;
   const bool sender = blockIdx.x < G;
   const uint64_t deadline = now_ns() + 5000000000ull;
-  __shared__ int s_quit;
-  if (tid == 0) s_quit = 0;
-  __syncthreads();
   for (int r = 1; r <= rounds; ++r) {
     if (sender) {
       const int g = blockIdx.x;
-      if (tid == 0) {  // the receiver is polling round r
-        while (ld_sys(sync) != (uint64_t)r)
-          if (now_ns() > deadline) { s_quit = 1; break; }
-        if (g == 0) st_sys(sync + 16, now_ns());
-      }
-      __syncthreads();
-      if (s_quit) return;
+      if (!sender_round_start(sync, r, g == 0 ? sync + 16 : nullptr, deadline)) return;
       for (int s = 512 * g + tid; s < slots; s += 512 * G) {
         const bool flag_slot = fmt == 1 && (s & 7) == 7;
         st_sys2(row + 2 * s, row_word(fmt, r, s, 0),
@@ -550,9 +537,6 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slots = 1024;
   const bool sender = blockIdx.x < G, hammer = (int)blockIdx.x >= G + Rc;
   const uint64_t deadline = now_ns() + 5000000000ull;
-  __shared__ int s_quit;
-  if (tid == 0) s_quit = 0;
-  __syncthreads();
   for (int r = 1; r <= rounds; ++r) {
     const uint64_t f = (uint64_t)r << 32;
     if (hammer) {
@@ -567,13 +551,7 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
     }
     if (sender) {
       const int g = blockIdx.x;
-      if (tid == 0) {
-        while (ld_sys(sync) != (uint64_t)r)
-          if (now_ns() > deadline) { s_quit = 1; break; }
-        if (g == 0) st_sys(sync + 16, now_ns());
-      }
-      __syncthreads();
-      if (s_quit) return;
+      if (!sender_round_start(sync, r, g == 0 ? sync + 16 : nullptr, deadline)) return;
       const bool mw = g == 0 && warp == 0;
       if (mw && !meta_last && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
       for (int s = 512 * g + tid; s < slots; s += 512 * G)
