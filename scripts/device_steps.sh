@@ -22,9 +22,10 @@
 #          "1 32 128 512 2048"), BENCH_REPEATS (default 3), within what is left
 #   profile  scripts/gpu_profile.sh (ncu per kernel in lockstep; its CELLS, EXCHANGES, SAMPLED)
 #   probe  scripts/poll_probe.cu built with nvcc and run once per mode of PROBE_MODES (default
-#          "queue fresh"; "main" runs it without a mode), each within PROBE_TIMEOUT s (default
-#          40), into $OUT/probe/<mode>.json (stderr beside it as <mode>.err); always from this
-#          checkout, whatever TREE says
+#          "queue fresh"; "main" runs it without a mode; "ipc" and "ipcq" as its two processes),
+#          each within PROBE_TIMEOUT s (default 40), into $OUT/probe/<mode>.json (stderr beside
+#          it as <mode>.err); PROBE_MPS=1 runs them under an MPS daemon of their own, into
+#          <mode>-mps.json; always from this checkout, whatever TREE says
 # TREE=<folder>: the library steps build and run the checkout in that folder instead (e.g. an
 # older commit's `git archive` under .carry/, carried with `run`), to measure a control that a
 # later commit removed; the call's own .carry/py still goes on PYTHONPATH.
@@ -125,13 +126,36 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
         "$SELF/scripts/poll_probe.cu" > "$ROOT/probe/build.log" 2>&1; then
       stamp "probe: nvcc failed (probe/build.log)"; continue
     fi
+    mps=""  # PROBE_MPS=1: the modes run under an MPS daemon of their own (files <mode>-mps.*)
+    if [ "${PROBE_MPS:-0}" = 1 ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-probe-mps-pipe \
+        CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-probe-mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      if nvidia-cuda-mps-control -d; then mps=-mps; stamp "probe: MPS daemon started"
+      else stamp "probe: no MPS daemon"; fi
+    fi
     for m in ${PROBE_MODES:-queue fresh}; do
       t=$(( $(left) - 15 )); [ "$t" -gt "${PROBE_TIMEOUT:-40}" ] && t=${PROBE_TIMEOUT:-40}
       if [ "$t" -lt 5 ]; then stamp "probe $m skipped: ${t}s left"; break; fi
-      arg=$m; [ "$m" = main ] && arg=""
-      timeout -k 5 "$t" "$ROOT/probe/poll_probe" $arg > "$ROOT/probe/$m.json" 2> "$ROOT/probe/$m.err"
-      stamp "probe $m rc=$?"
+      f="$ROOT/probe/$m$mps"
+      case $m in
+        ipc|ipcq)  # two processes: rank 1 in the background, rank 0 prints
+          d=$(mktemp -d)
+          timeout -k 5 "$t" "$ROOT/probe/poll_probe" "$m" 1 "$d" 2> "$f.err1" &
+          timeout -k 5 "$t" "$ROOT/probe/poll_probe" "$m" 0 "$d" > "$f.json" 2> "$f.err"
+          rc=$?; wait; rm -rf "$d";;
+        *)
+          arg=$m; [ "$m" = main ] && arg=""
+          timeout -k 5 "$t" "$ROOT/probe/poll_probe" $arg > "$f.json" 2> "$f.err"
+          rc=$?;;
+      esac
+      stamp "probe $m$mps rc=$rc"
     done
+    if [ -n "$mps" ]; then
+      echo quit | nvidia-cuda-mps-control
+      for _ in $(seq 50); do pgrep -x nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
     rm -f "$ROOT/probe/poll_probe";;
   *) stamp "unknown step $s";;
   esac

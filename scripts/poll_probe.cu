@@ -17,6 +17,8 @@
 // Where a token's metadata waits (the sender's SM or the receiver's), senders and receivers
 // spread over CTAs or not:
 //   /tmp/poll_probe queue
+// The same crossing between two processes under MPS, through a CUDA IPC handle (rank 0 prints):
+//   d=$(mktemp -d); /tmp/poll_probe ipcq 1 $d & /tmp/poll_probe ipcq 0 $d; wait
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -531,11 +533,14 @@ static int fresh_main() {
 // unit (the line the token's count units share), lanes 1-23 as many other lines that nobody
 // writes, until lane 0 sees the round. Does a line that many SMs poll take longer to show a
 // store?
+// base: the index of this grid's first CTA in that numbering (ipcq runs the senders and the
+// receivers as two grids in two processes; queue one grid, base 0)
 __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, uint64_t* out,
                                const uint64_t* idle, int rounds, int G, int Rc, int meta_last,
-                               int meta_alone) {
+                               int meta_alone, int base) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, slots = 1024;
-  const bool sender = blockIdx.x < G, hammer = (int)blockIdx.x >= G + Rc;
+  const int b = (int)blockIdx.x + base;
+  const bool sender = b < G, hammer = b >= G + Rc;
   const uint64_t deadline = now_ns() + 5000000000ull;
   for (int r = 1; r <= rounds; ++r) {
     const uint64_t f = (uint64_t)r << 32;
@@ -550,7 +555,7 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
       continue;
     }
     if (sender) {
-      const int g = blockIdx.x;
+      const int g = b;
       if (!sender_round_start(sync, r, g == 0 ? sync + 16 : nullptr, deadline)) return;
       const bool mw = g == 0 && warp == 0;
       if (mw && !meta_last && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
@@ -559,7 +564,7 @@ __global__ void crossing_queue(uint64_t* meta, uint64_t* row, uint64_t* sync, ui
       if (mw && meta_last && lane < kMetaUnits) st_sys(meta + lane, f | (uint32_t)lane);
       __syncthreads();
     } else {
-      const int q = blockIdx.x - G;
+      const int q = b - G;
       if (q == 0 && tid == 0) st_sys(sync, (uint64_t)r);
       bool ok = true;
       if (q == 0 && warp == 0) {
@@ -605,7 +610,7 @@ static int queue_main() {
       CK(cudaMemset(sync, 0, 32 * 8));
       CK(cudaMemset(out, 0, 2 * rounds * 8));
       crossing_queue<<<k.G + k.Rc + k.H, 512>>>(meta, row, sync, out, idle, rounds, k.G, k.Rc,
-                                                k.meta_last, k.meta_alone);
+                                                k.meta_last, k.meta_alone, 0);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
@@ -620,6 +625,103 @@ static int queue_main() {
     }
   }
   std::printf("]}\n");
+  return 0;
+}
+
+// ipcq mode: queue's crossing between two processes on one GPU (under a CUDA MPS daemon, as
+// the benchmarks' ranks share it): rank 0 polls its own window, rank 1 stores into it through
+// a CUDA IPC handle, as the library's Attention rank stores into the FFN's window. Does a row
+// and its metadata cross slower through an IPC mapping than within one process (queue)?
+// Cases in step: before case k rank 0 clears the window and posts k + 1 at word 24 of its
+// sync block, rank 1 launches its senders once it reads that, and posts k + 1 at word 25 when
+// they are done, which rank 0 waits for before the next case. Rank 0 prints the JSON.
+static void ipcq_post(uint64_t* word, uint64_t v) {
+  CK(cudaMemcpy(word, &v, 8, cudaMemcpyHostToDevice));
+}
+static bool ipcq_wait(const uint64_t* word, uint64_t v, int rank) {
+  for (int i = 0;; ++i) {
+    uint64_t got = 0;
+    CK(cudaMemcpy(&got, word, 8, cudaMemcpyDeviceToHost));
+    if (got == v) return true;
+    if (i > 200000) {
+      std::fprintf(stderr, "ipcq rank %d: word never became %llu\n", rank, (unsigned long long)v);
+      return false;
+    }
+    struct timespec ts = {0, 50000};
+    nanosleep(&ts, nullptr);
+  }
+}
+static int ipcq_main(int rank, const char* dir) {
+  const int rounds = 210, kMeta = 64, kRow = 2 * 1024, kSync = 32;
+  uint64_t *win, *out = nullptr;
+  CK(cudaMalloc(&win, (kMeta + kRow + kSync) * 8));
+  CK(cudaMemset(win, 0, (kMeta + kRow + kSync) * 8));
+  if (rank == 0) CK(cudaMalloc(&out, 2 * rounds * 8));
+  CK(cudaDeviceSynchronize());
+  cudaIpcMemHandle_t h;
+  CK(cudaIpcGetMemHandle(&h, win));
+  char path[512], tmp[520];
+  std::snprintf(path, sizeof path, "%s/q%d.bin", dir, rank);
+  std::snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE* f = std::fopen(tmp, "wb");
+  std::fwrite(&h, sizeof h, 1, f);
+  std::fclose(f);
+  std::rename(tmp, path);  // whole, or not there
+  uint64_t* w = win;  // rank 0: its own window; rank 1: rank 0's, opened through the handle
+  if (rank == 1) {
+    std::snprintf(path, sizeof path, "%s/q0.bin", dir);
+    cudaIpcMemHandle_t ph;
+    for (int i = 0;; ++i) {
+      f = std::fopen(path, "rb");
+      if (f != nullptr && std::fread(&ph, sizeof ph, 1, f) == 1) break;
+      if (f != nullptr) std::fclose(f);
+      if (i > 100000) { std::fprintf(stderr, "ipcq rank 1: no handle from rank 0\n"); return 1; }
+      struct timespec ts = {0, 100000};
+      nanosleep(&ts, nullptr);
+    }
+    std::fclose(f);
+    void* p = nullptr;
+    CK(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess));
+    w = static_cast<uint64_t*>(p);
+  }
+  uint64_t *meta = w, *row = w + kMeta, *sync = w + kMeta + kRow;
+  struct Case { int G, Rc, meta_last; };
+  const Case cases[] = {{1, 2, 1}, {1, 2, 0}, {4, 2, 1}, {24, 2, 1}};
+  if (rank == 0) std::printf("{\"rounds\": %d, \"cases\": [", rounds - 10);
+  int k = 0;
+  for (const Case& c : cases) {
+    for (int rep = 0; rep < 2; ++rep, ++k) {
+      if (rank == 0) {
+        CK(cudaMemset(meta, 0, (kMeta + kRow) * 8));
+        CK(cudaMemset(sync, 0, 24 * 8));
+        CK(cudaMemset(out, 0, 2 * rounds * 8));
+        CK(cudaDeviceSynchronize());
+        ipcq_post(sync + 24, (uint64_t)k + 1);
+        crossing_queue<<<c.Rc, 512>>>(meta, row, sync, out, nullptr, rounds, c.G, c.Rc,
+                                      c.meta_last, 0, c.G);
+        CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        if (!ipcq_wait(sync + 25, (uint64_t)k + 1, 0)) return 1;
+        const std::vector<uint64_t> all = sorted_rounds(out, 0, rounds);
+        const std::vector<uint64_t> md = sorted_rounds(out, rounds, rounds);
+        std::printf("%s{\"sender_ctas\": %d, \"receiver_ctas\": %d, \"meta_last\": %d, "
+                    "\"rep\": %d, \"all_median_ns\": %llu, \"meta_median_ns\": %llu, "
+                    "\"meta_p90_ns\": %llu}", k ? ", " : "", c.G, c.Rc, c.meta_last, rep,
+                    (unsigned long long)all[all.size() / 2],
+                    (unsigned long long)md[md.size() / 2],
+                    (unsigned long long)md[md.size() * 9 / 10]);
+      } else {
+        if (!ipcq_wait(sync + 24, (uint64_t)k + 1, 1)) return 1;
+        crossing_queue<<<c.G, 512>>>(meta, row, sync, nullptr, nullptr, rounds, c.G, c.Rc,
+                                     c.meta_last, 0, 0);
+        CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        ipcq_post(sync + 25, (uint64_t)k + 1);
+      }
+    }
+  }
+  if (rank == 0) std::printf("]}\n");
+  if (rank == 1) CK(cudaIpcCloseMemHandle(w));
   return 0;
 }
 
@@ -670,6 +772,7 @@ int main(int argc, char** argv) {
   // and under lazy loading (CUDA's default) that launch waited for the receiver to end
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   if (argc == 4 && std::string(argv[1]) == "ipc") return ipc_main(std::atoi(argv[2]), argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "ipcq") return ipcq_main(std::atoi(argv[2]), argv[3]);
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
   if (argc == 2 && std::string(argv[1]) == "fresh") return fresh_main();
   if (argc == 2 && std::string(argv[1]) == "queue") return queue_main();

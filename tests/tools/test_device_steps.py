@@ -72,6 +72,32 @@ def test_probe_step_is_known_and_bounded_by_the_time_left(tmp_path):
     assert lines[2] == "call done", lines
 
 
+def test_probe_step_runs_the_two_process_modes_as_two_ranks(tmp_path):
+    """ipcq (and ipc) run poll_probe as two processes: rank 1 in the background, its stderr in
+    <mode>.err1, and rank 0, whose output is the mode's JSON; other modes run once. A stand-in
+    nvcc "builds" a stand-in probe that prints its arguments."""
+    fake_probe = tmp_path / "fake_probe"
+    fake_probe.write_text('#!/usr/bin/env bash\necho "{\\"args\\": \\"$*\\"}"\n'
+                          'echo "args $*" >&2\n')
+    fake_probe.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text('#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && o=$2; shift; '
+                    f'done\ncp {fake_probe} "$o"\n')
+    nvcc.chmod(0o755)
+    out = tmp_path / "out"
+    lines = _call(tmp_path, STEPS="probe", LIMIT="120", PROBE_MODES="ipcq queue",
+                  PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert lines[1:] == ["probe ipcq queue", "probe ipcq rc=0", "probe queue rc=0",
+                         "call done"], lines
+    with tarfile.open(out / "bundle.tgz") as t:
+        read = {m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
+    assert read["./probe/ipcq.json"].startswith('{"args": "ipcq 0 '), read
+    assert read["./probe/ipcq.err1"].startswith("args ipcq 1 "), read
+    assert read["./probe/queue.json"] == '{"args": "queue"}\n', read
+
+
 def test_a_tree_that_is_no_checkout_runs_no_step(tmp_path):
     """TREE names the checkout the library steps build and run; where it holds none the call
     says so, runs none of its steps and still packs."""
