@@ -374,31 +374,29 @@ __global__ void ipc_ping(uint64_t* mine, uint64_t* theirs, int initiator, int ro
   }
 }
 
-static int ipc_main(int rank, const char* dir) {
-  uint64_t *win, *out;
-  CK(cudaMalloc(&win, 4096));
-  CK(cudaMemset(win, 0, 4096));
-  CK(cudaMalloc(&out, 2 * 8));
-  CK(cudaMemset(out, 0, 2 * 8));
-  CK(cudaDeviceSynchronize());
+// Two processes' windows: writes this rank's CUDA IPC handle of win to <dir>/<tag><rank>.bin
+// (whole, through a rename); with peer >= 0 waits for <dir>/<tag><peer>.bin and returns the
+// peer's window opened through it (nullptr, said on stderr, when it never came)
+static void* share_window(const char* dir, const char* tag, int rank, int peer, void* win) {
   cudaIpcMemHandle_t h;
   CK(cudaIpcGetMemHandle(&h, win));
   char path[512], tmp[520];
-  std::snprintf(path, sizeof path, "%s/h%d.bin", dir, rank);
+  std::snprintf(path, sizeof path, "%s/%s%d.bin", dir, tag, rank);
   std::snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE* f = std::fopen(tmp, "wb");
   std::fwrite(&h, sizeof h, 1, f);
   std::fclose(f);
-  std::rename(tmp, path);  // whole, or not there
-  std::snprintf(path, sizeof path, "%s/h%d.bin", dir, 1 - rank);
+  std::rename(tmp, path);
+  if (peer < 0) return nullptr;
+  std::snprintf(path, sizeof path, "%s/%s%d.bin", dir, tag, peer);
   cudaIpcMemHandle_t ph;
   for (int i = 0;; ++i) {
     f = std::fopen(path, "rb");
     if (f != nullptr && std::fread(&ph, sizeof ph, 1, f) == 1) break;
     if (f != nullptr) std::fclose(f);
     if (i > 100000) {
-      std::fprintf(stderr, "rank %d: no handle from the peer\n", rank);
-      return 1;
+      std::fprintf(stderr, "rank %d: no handle from rank %d\n", rank, peer);
+      return nullptr;
     }
     struct timespec ts = {0, 100000};
     nanosleep(&ts, nullptr);
@@ -406,6 +404,18 @@ static int ipc_main(int rank, const char* dir) {
   std::fclose(f);
   void* theirs = nullptr;
   CK(cudaIpcOpenMemHandle(&theirs, ph, cudaIpcMemLazyEnablePeerAccess));
+  return theirs;
+}
+
+static int ipc_main(int rank, const char* dir) {
+  uint64_t *win, *out;
+  CK(cudaMalloc(&win, 4096));
+  CK(cudaMemset(win, 0, 4096));
+  CK(cudaMalloc(&out, 2 * 8));
+  CK(cudaMemset(out, 0, 2 * 8));
+  CK(cudaDeviceSynchronize());
+  void* theirs = share_window(dir, "h", rank, 1 - rank, win);
+  if (theirs == nullptr) return 1;
   const int rounds = 2000;
   ipc_ping<<<1, 32>>>(win, static_cast<uint64_t*>(theirs), rank == 0, rounds, out);
   CK(cudaGetLastError());
@@ -658,32 +668,10 @@ static int ipcq_main(int rank, const char* dir) {
   CK(cudaMemset(win, 0, (kMeta + kRow + kSync) * 8));
   if (rank == 0) CK(cudaMalloc(&out, 2 * rounds * 8));
   CK(cudaDeviceSynchronize());
-  cudaIpcMemHandle_t h;
-  CK(cudaIpcGetMemHandle(&h, win));
-  char path[512], tmp[520];
-  std::snprintf(path, sizeof path, "%s/q%d.bin", dir, rank);
-  std::snprintf(tmp, sizeof tmp, "%s.tmp", path);
-  FILE* f = std::fopen(tmp, "wb");
-  std::fwrite(&h, sizeof h, 1, f);
-  std::fclose(f);
-  std::rename(tmp, path);  // whole, or not there
-  uint64_t* w = win;  // rank 0: its own window; rank 1: rank 0's, opened through the handle
-  if (rank == 1) {
-    std::snprintf(path, sizeof path, "%s/q0.bin", dir);
-    cudaIpcMemHandle_t ph;
-    for (int i = 0;; ++i) {
-      f = std::fopen(path, "rb");
-      if (f != nullptr && std::fread(&ph, sizeof ph, 1, f) == 1) break;
-      if (f != nullptr) std::fclose(f);
-      if (i > 100000) { std::fprintf(stderr, "ipcq rank 1: no handle from rank 0\n"); return 1; }
-      struct timespec ts = {0, 100000};
-      nanosleep(&ts, nullptr);
-    }
-    std::fclose(f);
-    void* p = nullptr;
-    CK(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess));
-    w = static_cast<uint64_t*>(p);
-  }
+  // rank 0: its own window (it shares it); rank 1: rank 0's, opened through the handle
+  uint64_t* w = static_cast<uint64_t*>(share_window(dir, "q", rank, rank == 1 ? 0 : -1, win));
+  if (rank == 0) w = win;
+  if (w == nullptr) return 1;
   uint64_t *meta = w, *row = w + kMeta, *sync = w + kMeta + kRow;
   struct Case { int G, Rc, meta_last; };
   const Case cases[] = {{1, 2, 1}, {1, 2, 0}, {4, 2, 1}, {24, 2, 1}};
