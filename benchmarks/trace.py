@@ -14,6 +14,9 @@ stages that cross GPUs (marked ``x``) assume the two GPUs' %globaltimer agree, w
 "F last signal -> A CTA0 done seen" is typically < 0 where the reply sends flagged units, whose
 start units the collect sees before the reply's last signal).
 Diagnostics only: the stamps cost a few ns per CTA and the numbers are not the benchmark's.
+Each kernel's CTA 0 also records its SM; the lines "... on ...'s SM (share of exchanges)" say
+how often two ranks' CTA 0s ran on one SM (on one GPU under MPS: the token's sender and its
+receiver, the reply and the collect).
 
 The Attention's stream also gets a one-thread %globaltimer stamp kernel right after the start
 event and right before the end event, so the time outside the kernels (graph launch, kernel
@@ -54,9 +57,9 @@ from benchmarks import arms, common
 from torch_afdep import mps
 
 # trace points (csrc/include/afdep/layout.h TracePoint)
-POINTS = 15
+POINTS = 16
 (START, SENT, WAITED, END, MAX_SENT, MAX_WAITED, MAX_END, READY, CLAIMED, COPIED, WRITTEN,
- TABLE, LOADED, MASKED, MAX_START) = range(POINTS)
+ TABLE, LOADED, MASKED, MAX_START, SM) = range(POINTS)
 D, C = 0, 1  # phases
 
 def _gap(a, i: int, b, j: int) -> Optional[int]:
@@ -206,6 +209,15 @@ STAMP_STAGES = [
     ("A stream: combine end -> end stamp", lambda st, da, ca: _gap(st, 1, ca, MAX_END), "last"),
 ]
 OUTSIDE = "A event latency - kernels total"
+#: (name, fn(att dispatch, att combine, ffn dispatch, ffn combine) -> (SM, SM)): two kernels'
+#: CTA 0s (at T = 1 the token's sender and its receiver, then the reply and the collect)
+#: whose SMs (the SM point, %smid + 1; 0 where not stamped) the summary compares. On a GPU
+#: that the ranks share, one CTA's stores and the other's polls then pass one SM's memory
+#: pipeline.
+SM_PAIRS = [
+    ("A dispatch CTA0 on F receive CTA0's SM", lambda da, ca, df, cf: (da[SM], df[SM])),
+    ("F reply CTA0 on A collect CTA0's SM", lambda da, ca, df, cf: (cf[SM], ca[SM])),
+]
 
 
 def trace_devices(n_gpus: int, mps_running: bool) -> Optional[List[int]]:
@@ -333,6 +345,7 @@ def summarize(T: int, got, lat: List[float], replays: int,
     if whole:
         names.append(OUTSIDE)
     per: Dict[str, List[float]] = {name: [] for name in names}
+    same: Dict[str, List[float]] = {}
     for n in range(last - n_use + 1, last + 1):
         if per_replay - 1 - (last - n) % per_replay != position:
             continue
@@ -350,11 +363,17 @@ def summarize(T: int, got, lat: List[float], replays: int,
                     per[name].append(v / 1000.0)
         if whole:
             per[OUTSIDE].append(lat[j] - (ca[MAX_END] - da[START]) / 1000.0)
+        for name, fn in SM_PAIRS:
+            a, b = fn(da, ca, df, cf)
+            if a and b:
+                same.setdefault(name, []).append(1.0 if a == b else 0.0)
     return {"tokens": T, "position": position, "per_replay": per_replay,
             "latency_us": statistics.median(lat) if lat else None,
             "latency_spread_us": _spread(lat) if lat else None,
             "stages_us": {k: statistics.median(v) for k, v in per.items() if v},
-            "spread_us": {k: _spread(v) for k, v in per.items() if v}}
+            "spread_us": {k: _spread(v) for k, v in per.items() if v},
+            # the share of exchanges in which each pair's CTA 0s ran on one SM
+            "same_sm": {k: sum(v) / len(v) for k, v in same.items() if v}}
 
 
 def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
@@ -375,6 +394,10 @@ def _print_rows(title: str, rows: List[Dict[str, Any]]) -> None:
         else:
             cells = "".join(f"{r['stages_us'].get(name, float('nan')):13.1f}" for r in rows)
         print(f"{name:58s}" + cells)
+    for name, _ in SM_PAIRS:
+        if any(name in r.get("same_sm", {}) for r in rows):
+            print(f"{name + ' (share of exchanges)':58s}" + "".join(
+                f"{r.get('same_sm', {}).get(name, float('nan')):13.2f}" for r in rows))
     if all("host_replay_us" in r for r in rows):
         print(f"{'host: graph.replay() call, median / p90':58s}" +
               "".join(f"{r['host_replay_us']['median']:7.1f}/{r['host_replay_us']['p90']:5.1f}"
@@ -404,6 +427,8 @@ def compare(docs: List[Dict[str, Any]], labels: List[str]) -> str:
                 for r in same:
                     for name, v in r["stages_us"].items():
                         stages.setdefault(name, []).append(v)
+                    for name, v in r.get("same_sm", {}).items():
+                        stages.setdefault(name + " (share of exchanges)", []).append(v)
                 cols.append({n: statistics.median(v) for n, v in stages.items()})
             seen = list(dict.fromkeys(n for c in cols for n in c))
             names = sorted(seen, key=lambda n: (known.index(n) if n in known

@@ -443,7 +443,7 @@ __device__ __forceinline__ void end_launch(const Layout& L, int phase, uint64_t 
 // global store in the middle of a stage did (CTA 0 stalled at the start stamp until the
 // number's load returned, which the untraced kernel only needs at its signal).
 __device__ __forceinline__ uint64_t* trace_stamps() {
-  __shared__ uint64_t s_stamps[kTracePts];
+  __shared__ uint64_t s_stamps[kTrSm];  // the time points (kTrSm is written at the flush)
   return s_stamps;
 }
 
@@ -451,7 +451,7 @@ __device__ __forceinline__ uint64_t* trace_stamps() {
 __device__ __forceinline__ void trace_begin(const Layout& L) {
   if (L.trace == nullptr || threadIdx.x != 0) return;
   uint64_t* s = trace_stamps();
-  for (int i = 0; i < kTracePts; ++i) s[i] = 0;
+  for (int i = 0; i < kTrSm; ++i) s[i] = 0;
 }
 
 // Called by every thread at a converged point; thread 0 stamps `pt` and, with max_pt >= 0,
@@ -472,7 +472,12 @@ __device__ __forceinline__ void trace_flush(const Layout& L, int phase, uint64_t
   if (L.trace == nullptr || threadIdx.x != 0) return;
   const uint64_t* s = trace_stamps();
   uint64_t* p = L.trace + ((n % kTraceRing) * 2 + phase) * kTracePts;
-  for (int i = 0; i < kTracePts; ++i) {
+  if (blockIdx.x == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    p[kTrSm] = (uint64_t)sm + 1;
+  }
+  for (int i = 0; i < kTrSm; ++i) {
     if (i == kTrMaxSent || i == kTrMaxWaited || i == kTrMaxEnd || i == kTrMaxStart) {
       if (s[i] != 0)
         atomicMax(reinterpret_cast<unsigned long long*>(p + i), (unsigned long long)s[i]);

@@ -188,6 +188,31 @@ def test_back_to_back_exchanges_split_by_position():
         trace.summarize(8, got, lat, replays, st, per_replay=k, position=2)
 
 
+def test_same_sm_share_from_the_sm_point():
+    """The SM point (%smid + 1, not a time) of two kernels' CTA 0s: the share of exchanges in
+    which the Attention's dispatch ran on the FFN receive's SM and the reply on the collect's;
+    an exchange where one side is unstamped (0) is left out of its pair; --compare shows the
+    shares beside the stages."""
+    ring, last = 64, 200
+
+    def att(n, ph, pt):  # dispatch on SM 2 in one exchange of 4 (else SM 6), collect on SM 8
+        if pt == trace.SM:
+            return (3 if n % 4 == 0 else 7) if ph == trace.D else 9
+        return n * 10_000_000 + (ph * trace.POINTS + pt + 1) * 1000
+
+    def ffn(n, ph, pt):  # receive on SM 2; reply on SM 8, unstamped in even exchanges
+        if pt == trace.SM:
+            return 3 if ph == trace.D else (9 if n % 2 else 0)
+        return n * 10_000_000 + 500_000 + (ph * trace.POINTS + pt + 1) * 1000
+
+    got = [("attention", _ring(last, ring, att), (last, last)),
+           ("ffn", _ring(last, ring, ffn), (last, last))]
+    row = trace.summarize(1, got, [12.0] * 40, replays=60)  # exchanges 161..200
+    assert row["same_sm"] == {"A dispatch CTA0 on F receive CTA0's SM": 0.25,
+                              "F reply CTA0 on A collect CTA0's SM": 1.0}, row["same_sm"]
+    assert all(v < 1000 for v in row["stages_us"].values())  # no SM taken for a time
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["--afdep-env", "AFDEP_NOPE=1"], "--afdep-env takes NAME=0|1"),
     (["--afdep-env", "AFDEP_WIDE_LOCAL=maybe"], "got 'AFDEP_WIDE_LOCAL=maybe'"),

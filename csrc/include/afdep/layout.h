@@ -127,12 +127,12 @@ enum DebugBits : int {
 enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 
 // Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
-// kTraceRing exchanges, [ring][phase][point]. Points 4-6 are the latest over CTAs, the rest
-// CTA 0's (at small T the CTA that holds the tokens). Each CTA keeps its stamps in shared
+// kTraceRing exchanges, [ring][phase][point]. Points 4-6 and 14 are the latest over CTAs, the
+// rest CTA 0's (at small T the CTA that holds the tokens); point 15 is no time but CTA 0's SM. Each CTA keeps its stamps in shared
 // memory and writes them when it ends (kernels/common.cuh trace_flush); CTA 0 writes 0 for a
 // point its launch never reached.
 constexpr int kTraceRing = 64;
-constexpr int kTracePts = 15;
+constexpr int kTracePts = 16;
 enum TracePoint : int {
   kTrStart = 0,    // kernel start (CTA 0)
   kTrSent = 1,     // send stage done, signals written (CTA 0)
@@ -160,6 +160,8 @@ enum TracePoint : int {
                    // FFN receive (token layout, F_SETTLE_UNITS): thread 0's first load of
                    // its first row's metadata units returned (fresh or not)
   kTrMaxStart = 14,  // latest CTA's kTrStart: against CTA 0's, how far apart the CTAs began
+  kTrSm = 15,        // CTA 0's SM, %smid + 1 (not a time): on a GPU that ranks share, whether
+                     // one rank's CTA 0 ran on the SM of another's
 };
 
 // Host-mapped (cudaHostAllocMapped) error words; the device writes, the host reads.
