@@ -153,7 +153,7 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
     done
     if [ -n "$mps" ]; then
       echo quit | nvidia-cuda-mps-control
-      for _ in $(seq 50); do pgrep -x nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
+      for _ in $(seq 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     fi
     rm -f "$ROOT/probe/poll_probe";;

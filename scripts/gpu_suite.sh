@@ -67,7 +67,7 @@ $PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_v
 # stopping (that start would fail, and the shared-GPU tests would skip).
 mps_quit() {
   echo quit | nvidia-cuda-mps-control
-  for _ in $(seq 50); do pgrep -x nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.2; done
+  for _ in $(seq 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.2; done
   echo "the MPS daemon did not stop in 10 s"
 }
 if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
