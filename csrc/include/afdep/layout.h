@@ -130,9 +130,9 @@ enum PhaseId : int { kPhaseDispatch = 0, kPhaseCombine = 1, kPhaseProbe = 2 };
 
 // Optional stage trace (AFDEP_TRACE=1; diagnostics only): %globaltimer stamps of the last
 // kTraceRing exchanges, [ring][phase][point]. Points 4-6 and 14 are the latest over CTAs, the
-// rest CTA 0's (at small T the CTA that holds the tokens); point 15 is no time but CTA 0's SM. Each CTA keeps its stamps in shared
-// memory and writes them when it ends (kernels/common.cuh trace_flush); CTA 0 writes 0 for a
-// point its launch never reached.
+// rest CTA 0's (at small T the CTA that holds the tokens); point 15 is no time but CTA 0's
+// SM. Each CTA keeps its stamps in shared memory and writes them when it ends
+// (kernels/common.cuh trace_flush); CTA 0 writes 0 for a point its launch never reached.
 constexpr int kTraceRing = 64;
 constexpr int kTracePts = 16;
 enum TracePoint : int {
