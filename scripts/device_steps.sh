@@ -154,8 +154,9 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
     if [ -n "$mps" ]; then
       echo quit | nvidia-cuda-mps-control
       for _ in $(seq 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     fi
+    # (set only for the probe's daemon: the later steps' gpu_suite.sh starts its own)
+    [ "${PROBE_MPS:-0}" = 1 ] && unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     rm -f "$ROOT/probe/poll_probe";;
   *) stamp "unknown step $s";;
   esac
