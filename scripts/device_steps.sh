@@ -55,6 +55,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$ROOT/c
 # under $ROOT/NAME; by default it builds nothing and runs nothing (the VARs turn parts on).
 # gpu_suite.sh starts the MPS daemon and stops it, waiting, as it exits.
 SELF=$PWD
+. "$SELF/scripts/mps.sh"
 LIB=${TREE:-$SELF}
 if [ ! -d "$LIB/scripts" ]; then stamp "TREE=$LIB: no checkout there"; STEPS=""; fi
 if [ -d "$SELF/.carry/py" ]; then export PYTHONPATH="$SELF/.carry/py:${PYTHONPATH:-}"; fi
@@ -128,10 +129,7 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
     fi
     mps=""  # PROBE_MPS=1: the modes run under an MPS daemon of their own (files <mode>-mps.*)
     if [ "${PROBE_MPS:-0}" = 1 ]; then
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-probe-mps-pipe \
-        CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-probe-mps-log
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      if nvidia-cuda-mps-control -d; then mps=-mps; stamp "probe: MPS daemon started"
+      if mps_start /tmp/afdep-probe-mps; then mps=-mps; stamp "probe: MPS daemon started"
       else stamp "probe: no MPS daemon"; fi
     fi
     for m in ${PROBE_MODES:-queue fresh}; do
@@ -151,10 +149,7 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
       esac
       stamp "probe $m$mps rc=$rc"
     done
-    if [ -n "$mps" ]; then
-      echo quit | nvidia-cuda-mps-control
-      for _ in $(seq 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
-    fi
+    if [ -n "$mps" ]; then mps_quit >> "$ROOT/call.log"; fi
     # (set only for the probe's daemon: the later steps' gpu_suite.sh starts its own)
     [ "${PROBE_MPS:-0}" = 1 ] && unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     rm -f "$ROOT/probe/poll_probe";;

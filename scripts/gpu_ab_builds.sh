@@ -61,9 +61,8 @@ done
 
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$NGPU" -lt 2 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  . "$HEAD_DIR/scripts/mps.sh"
+  mps_start /tmp/afdep-mps && trap mps_quit EXIT
   stamp "MPS daemon started (one GPU)"
 fi
 

@@ -63,17 +63,11 @@ $PY -c 'import torch_afdep._cuda as c; print("extension ok, cudart", c.runtime_v
 # ---- tests ---------------------------------------------------------------------------
 # Layouts with several ranks on one GPU need kernels of several processes to run at once:
 # start a CUDA MPS daemon for the tests (MPS=0 skips; those tests then skip themselves).
-# Its stop waits until the daemon is gone, so that a next call's start does not find it
-# stopping (that start would fail, and the shared-GPU tests would skip).
-mps_quit() {
-  echo quit | nvidia-cuda-mps-control
-  for _ in $(seq 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.2; done
-  echo "the MPS daemon did not stop in 10 s"
-}
+# Its stop waits until the daemon is gone (scripts/mps.sh), else a next call's start would
+# fail and the shared-GPU tests would skip.
+. "$(dirname "$0")/mps.sh"
 if [ "${MPS:-1}" = "1" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/afdep-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/afdep-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
+  if mps_start /tmp/afdep-mps; then
     export AFDEP_TEST_SHARED_GPU=1
     trap mps_quit EXIT
     stamp "MPS daemon started: shared-GPU layouts enabled" | tee -a "$OUT/env.log"

@@ -98,6 +98,30 @@ def test_probe_step_runs_the_two_process_modes_as_two_ranks(tmp_path):
     assert read["./probe/queue.json"] == '{"args": "queue"}\n', read
 
 
+def test_probe_step_under_its_own_mps_daemon(tmp_path):
+    """PROBE_MPS=1: the modes run under a daemon started through scripts/mps.sh (a stand-in
+    nvidia-cuda-mps-control here, which logs its calls), into <mode>-mps.json, and the daemon
+    is told to quit after them."""
+    fake_probe = tmp_path / "fake_probe"
+    fake_probe.write_text('#!/usr/bin/env bash\necho "{}"\n')
+    fake_probe.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvcc").write_text('#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && '
+                                  f'o=$2; shift; done\ncp {fake_probe} "$o"\n')
+    calls = tmp_path / "mps_calls"
+    (bin_dir / "nvidia-cuda-mps-control").write_text(
+        f'#!/usr/bin/env bash\necho "${{1:-$(cat)}} $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    lines = _call(tmp_path, STEPS="probe", LIMIT="120", PROBE_MODES="queue", PROBE_MPS="1",
+                  PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert lines[1:] == ["probe queue", "probe: MPS daemon started", "probe queue-mps rc=0",
+                         "call done"], lines
+    assert calls.read_text().splitlines() == ["-d /tmp/afdep-probe-mps-pipe",
+                                              "quit /tmp/afdep-probe-mps-pipe"]
+
+
 def test_a_tree_that_is_no_checkout_runs_no_step(tmp_path):
     """TREE names the checkout the library steps build and run; where it holds none the call
     says so, runs none of its steps and still packs."""
