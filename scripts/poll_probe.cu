@@ -19,6 +19,8 @@
 //   /tmp/poll_probe queue
 // The same crossing between two processes under MPS, through a CUDA IPC handle (rank 0 prints):
 //   d=$(mktemp -d); /tmp/poll_probe ipcq 1 $d & /tmp/poll_probe ipcq 0 $d; wait
+// A kernel's first load as the library launches its kernels (graph, PDL, parameter block):
+//   /tmp/poll_probe launch
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -713,6 +715,145 @@ static int ipcq_main(int rank, const char* dir) {
   return 0;
 }
 
+// launch mode: a kernel's first load as the library's kernels meet it. first_load (main mode)
+// reads a line in L2 190-224 ns after its start stamp; in the T = 1 chain every kernel's first
+// load returns 0.7-0.9 µs after its start stamp (the dispatch's token, the receive's first
+// poll, the reply's first row). What the chain has that first_load has not, one at a time:
+// a large parameter block whose load address needs four of its lines; 24 CTAs of 512 threads;
+// a CUDA graph; a programmatic (PDL) launch that waits in griddepcontrol.wait; an idle host
+// between replays; L2 emptied between replays (a 256 MB write), so that the parameter block
+// and the code come from memory; straight-line code before the load (instruction fetch).
+// Each case: rounds after 10 warm-up ones; ns from the start stamp (after the wait) to the
+// load's return, thread 0 of CTA 0.
+struct BigArgs {  // 832 B, as the library's Layout and arguments; four lines feed the load
+  const uint64_t* base;
+  uint64_t pad0[7];
+  uint64_t off;
+  uint64_t pad1[7];
+  uint64_t stride;
+  uint64_t pad2[31];
+  uint64_t rank;
+  uint64_t pad3[47];
+  uint64_t* out;
+  int* ctr;
+  int pdl, pad4;
+};
+template <int kCode>
+__global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
+  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const uint64_t t0 = now_ns();
+  uint64_t x = 0;  // kCode dependent adds the load's address waits for (kept by asm volatile)
+#pragma unroll
+  for (int i = 0; i < kCode; ++i) asm volatile("add.u64 %0, %0, %1;" : "+l"(x) : "l"((uint64_t)i));
+  const uint64_t* p = a.base + a.off + a.stride * a.rank + (x == 1 ? 1 : 0);
+  const uint64_t v = ld_sys(p);
+  if (v == 0x0123456789abcdefull) a.out[1023] = v;  // (the branch waits for the load)
+  const uint64_t dt = now_ns() - t0;
+  a.out[atomicAdd(a.ctr, 1) & 511] = dt;
+}
+// L2 emptied between rounds: 256 MB written from every SM
+__global__ void thrash(uint4* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i] = make_uint4((uint32_t)i, 1, 2, 3);
+}
+
+static int launch_main() {
+  const int rounds = 110;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  uint64_t *line, *out;
+  int* ctr;
+  uint4* big;
+  const size_t big_n = (256u << 20) / 16;
+  CK(cudaMalloc(&line, 64 * 8));
+  CK(cudaMemset(line, 0, 64 * 8));
+  CK(cudaMalloc(&out, 1024 * 8));
+  CK(cudaMalloc(&ctr, 4));
+  CK(cudaMalloc(&big, big_n * 16));
+  BigArgs a{};
+  a.base = line;
+  a.off = 8;
+  a.stride = 16;
+  a.rank = 1;  // line + 24: word 24, a line of its own
+  a.out = out;
+  a.ctr = ctr;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // one round: (thrash), writer (the line just written, as a producer kernel leaves it), the
+  // probe kernel (PDL-launched or not)
+  auto round = [&](int grid, int threads, int code, bool pdl, bool cold) {
+    if (cold) thrash<<<sms * 4, 512, 0, s>>>(big, big_n);
+    writer<<<1, 1, 0, s>>>(const_cast<uint64_t*>(a.base) + 24, 1);
+    BigArgs b = a;
+    b.pdl = pdl;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(threads);
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    if (code) CK(cudaLaunchKernelEx(&cfg, launch_load<256>, b));
+    else CK(cudaLaunchKernelEx(&cfg, launch_load<0>, b));
+  };
+  struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold; };
+  const Case cases[] = {
+      {"plain_1x32", 1, 32, 0, 0, 0, 0, 0},
+      {"plain_24x512", 24, 512, 0, 0, 0, 0, 0},
+      {"graph_24x512", 24, 512, 0, 1, 0, 0, 0},
+      {"graph_pdl_24x512", 24, 512, 0, 1, 1, 0, 0},
+      {"graph_pdl_idle500us", 24, 512, 0, 1, 1, 500, 0},
+      {"graph_pdl_l2_cold", 24, 512, 0, 1, 1, 0, 1},
+      {"graph_pdl_code256", 24, 512, 256, 1, 1, 0, 0},
+      {"graph_pdl_code256_l2_cold", 24, 512, 256, 1, 1, 0, 1},
+      {"plain_1x32_code256", 1, 32, 256, 0, 0, 0, 0},
+  };
+  std::printf("{\"rounds\": %d, \"sms\": %d, \"cases\": [", rounds - 10, sms);
+  bool first = true;
+  for (const Case& k : cases) {
+    for (int rep = 0; rep < 2; ++rep) {
+      CK(cudaMemset(ctr, 0, 4));
+      CK(cudaMemset(out, 0, 1024 * 8));
+      CK(cudaDeviceSynchronize());
+      cudaGraphExec_t ge = nullptr;
+      if (k.graph) {
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        round(k.grid, k.threads, k.code, k.pdl, k.cold);
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+      }
+      for (int r = 0; r < rounds; ++r) {
+        if (ge) CK(cudaGraphLaunch(ge, s));
+        else round(k.grid, k.threads, k.code, k.pdl, k.cold);
+        // every round alone on the GPU (as a replay of the chain), the host idle in between
+        CK(cudaStreamSynchronize(s));
+        if (k.idle_us) {
+          struct timespec ts = {0, 1000L * k.idle_us};
+          nanosleep(&ts, nullptr);
+        }
+      }
+      CK(cudaGetLastError());
+      if (ge) CK(cudaGraphExecDestroy(ge));
+      const std::vector<uint64_t> v = sorted_rounds(out, 0, rounds);
+      std::printf("%s{\"case\": \"%s\", \"grid\": %d, \"threads\": %d, \"code_adds\": %d, "
+                  "\"graph\": %d, \"pdl\": %d, \"idle_us\": %d, \"l2_cold\": %d, \"rep\": %d, "
+                  "\"min_ns\": %llu, \"median_ns\": %llu, \"p90_ns\": %llu}",
+                  first ? "" : ", ", k.name, k.grid, k.threads, k.code, k.graph, k.pdl,
+                  k.idle_us, k.cold, rep, (unsigned long long)v[0],
+                  (unsigned long long)v[v.size() / 2], (unsigned long long)v[v.size() * 9 / 10]);
+      first = false;
+    }
+  }
+  std::printf("]}\n");
+  return 0;
+}
+
 // rows mode: crossing_fmt's cases, one JSON object
 static int rows_main() {
   const int rounds = 210, max_slots = 4096;
@@ -764,6 +905,7 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "rows") return rows_main();
   if (argc == 2 && std::string(argv[1]) == "fresh") return fresh_main();
   if (argc == 2 && std::string(argv[1]) == "queue") return queue_main();
+  if (argc == 2 && std::string(argv[1]) == "launch") return launch_main();
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   uint64_t *chain, *ping, *polled, *stop, *out;
