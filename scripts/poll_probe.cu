@@ -722,10 +722,12 @@ static int ipcq_main(int rank, const char* dir) {
 // a large parameter block whose load address needs four of its lines; 24 CTAs of 512 threads;
 // a CUDA graph; a programmatic (PDL) launch that waits in griddepcontrol.wait; an idle host
 // between replays; L2 emptied between replays (a 256 MB write), so that the parameter block
-// and the code come from memory; straight-line code before the load (instruction fetch).
+// and the code come from memory; straight-line code before the load (256 or 1,024
+// multiply-adds, 4 or 16 KB), with the SMs' instruction caches filled by other code in front
+// (icache_cold) or not: what fetching a kernel's code costs at its start.
 // Each case: rounds after 10 warm-up ones; ns from the start stamp (after the wait) to the
 // load's return, thread 0 of CTA 0.
-struct BigArgs {  // 832 B, as the library's Layout and arguments; four lines feed the load
+struct BigArgs {  // 792 B, as the library's Layout and arguments; four lines feed the load
   const uint64_t* base;
   uint64_t pad0[7];
   uint64_t off;
@@ -743,14 +745,28 @@ __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   const uint64_t t0 = now_ns();
-  uint64_t x = 0;  // kCode dependent adds the load's address waits for (kept by asm volatile)
+  // kCode multiply-adds (16 B of code each) in four chains seeded by the clock, which the
+  // load's address waits for: ptxas folds a chain of constant adds, not x * x + i
+  uint32_t x[4] = {(uint32_t)t0, (uint32_t)t0 + 1, (uint32_t)t0 + 2, (uint32_t)t0 + 3};
 #pragma unroll
-  for (int i = 0; i < kCode; ++i) asm volatile("add.u64 %0, %0, %1;" : "+l"(x) : "l"((uint64_t)i));
-  const uint64_t* p = a.base + a.off + a.stride * a.rank + (x == 1 ? 1 : 0);
+  for (int i = 0; i < kCode; ++i)
+    asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)i));
+  const uint32_t h = kCode ? x[0] ^ x[1] ^ x[2] ^ x[3] : 0u;
+  const uint64_t* p = a.base + a.off + a.stride * a.rank + (h == 1u ? 1 : 0);
   const uint64_t v = ld_sys(p);
   if (v == 0x0123456789abcdefull) a.out[1023] = v;  // (the branch waits for the load)
   const uint64_t dt = now_ns() - t0;
   a.out[atomicAdd(a.ctr, 1) & 511] = dt;
+}
+// Other code through every SM's instruction caches (64 KB of straight-line multiply-adds, one
+// warp a SM), so that launch_load's code comes from L2 (the chain's kernels run between
+// other kernels); out[1022] keeps the result
+__global__ void icache_flush(uint64_t* out) {
+  uint32_t x[4] = {threadIdx.x, threadIdx.x + 1, threadIdx.x + 2, blockIdx.x};
+#pragma unroll
+  for (int i = 0; i < 4096; ++i)
+    asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)(i * 7 + 3)));
+  if ((x[0] ^ x[1] ^ x[2] ^ x[3]) == 12345u) out[1022] = x[0];
 }
 // L2 emptied between rounds: 256 MB written from every SM
 __global__ void thrash(uint4* p, size_t n) {
@@ -783,8 +799,9 @@ static int launch_main() {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   // one round: (thrash), writer (the line just written, as a producer kernel leaves it), the
   // probe kernel (PDL-launched or not)
-  auto round = [&](int grid, int threads, int code, bool pdl, bool cold) {
+  auto round = [&](int grid, int threads, int code, bool pdl, bool cold, bool flush) {
     if (cold) thrash<<<sms * 4, 512, 0, s>>>(big, big_n);
+    if (flush) icache_flush<<<sms, 32, 0, s>>>(out);
     writer<<<1, 1, 0, s>>>(const_cast<uint64_t*>(a.base) + 24, 1);
     BigArgs b = a;
     b.pdl = pdl;
@@ -797,20 +814,24 @@ static int launch_main() {
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl ? 1 : 0;
-    if (code) CK(cudaLaunchKernelEx(&cfg, launch_load<256>, b));
+    if (code == 1024) CK(cudaLaunchKernelEx(&cfg, launch_load<1024>, b));
+    else if (code == 256) CK(cudaLaunchKernelEx(&cfg, launch_load<256>, b));
     else CK(cudaLaunchKernelEx(&cfg, launch_load<0>, b));
   };
-  struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold; };
+  struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold, flush; };
   const Case cases[] = {
-      {"plain_1x32", 1, 32, 0, 0, 0, 0, 0},
-      {"plain_24x512", 24, 512, 0, 0, 0, 0, 0},
-      {"graph_24x512", 24, 512, 0, 1, 0, 0, 0},
-      {"graph_pdl_24x512", 24, 512, 0, 1, 1, 0, 0},
-      {"graph_pdl_idle500us", 24, 512, 0, 1, 1, 500, 0},
-      {"graph_pdl_l2_cold", 24, 512, 0, 1, 1, 0, 1},
-      {"graph_pdl_code256", 24, 512, 256, 1, 1, 0, 0},
-      {"graph_pdl_code256_l2_cold", 24, 512, 256, 1, 1, 0, 1},
-      {"plain_1x32_code256", 1, 32, 256, 0, 0, 0, 0},
+      {"plain_1x32", 1, 32, 0, 0, 0, 0, 0, 0},
+      {"plain_24x512", 24, 512, 0, 0, 0, 0, 0, 0},
+      {"graph_24x512", 24, 512, 0, 1, 0, 0, 0, 0},
+      {"graph_pdl_24x512", 24, 512, 0, 1, 1, 0, 0, 0},
+      {"graph_pdl_idle500us", 24, 512, 0, 1, 1, 500, 0, 0},
+      {"graph_pdl_l2_cold", 24, 512, 0, 1, 1, 0, 1, 0},
+      {"graph_pdl_icache_cold", 24, 512, 0, 1, 1, 0, 0, 1},
+      {"graph_pdl_code256", 24, 512, 256, 1, 1, 0, 0, 0},
+      {"graph_pdl_code256_icache_cold", 24, 512, 256, 1, 1, 0, 0, 1},
+      {"graph_pdl_code1024", 24, 512, 1024, 1, 1, 0, 0, 0},
+      {"graph_pdl_code1024_icache_cold", 24, 512, 1024, 1, 1, 0, 0, 1},
+      {"graph_pdl_code1024_l2_cold", 24, 512, 1024, 1, 1, 0, 1, 1},
   };
   std::printf("{\"rounds\": %d, \"sms\": %d, \"cases\": [", rounds - 10, sms);
   bool first = true;
@@ -823,14 +844,14 @@ static int launch_main() {
       if (k.graph) {
         cudaGraph_t g;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        round(k.grid, k.threads, k.code, k.pdl, k.cold);
+        round(k.grid, k.threads, k.code, k.pdl, k.cold, k.flush);
         CK(cudaStreamEndCapture(s, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
       }
       for (int r = 0; r < rounds; ++r) {
         if (ge) CK(cudaGraphLaunch(ge, s));
-        else round(k.grid, k.threads, k.code, k.pdl, k.cold);
+        else round(k.grid, k.threads, k.code, k.pdl, k.cold, k.flush);
         // every round alone on the GPU (as a replay of the chain), the host idle in between
         CK(cudaStreamSynchronize(s));
         if (k.idle_us) {
@@ -842,10 +863,11 @@ static int launch_main() {
       if (ge) CK(cudaGraphExecDestroy(ge));
       const std::vector<uint64_t> v = sorted_rounds(out, 0, rounds);
       std::printf("%s{\"case\": \"%s\", \"grid\": %d, \"threads\": %d, \"code_adds\": %d, "
-                  "\"graph\": %d, \"pdl\": %d, \"idle_us\": %d, \"l2_cold\": %d, \"rep\": %d, "
+                  "\"graph\": %d, \"pdl\": %d, \"idle_us\": %d, \"l2_cold\": %d, "
+                  "\"icache_cold\": %d, \"rep\": %d, "
                   "\"min_ns\": %llu, \"median_ns\": %llu, \"p90_ns\": %llu}",
                   first ? "" : ", ", k.name, k.grid, k.threads, k.code, k.graph, k.pdl,
-                  k.idle_us, k.cold, rep, (unsigned long long)v[0],
+                  k.idle_us, k.cold, k.flush, rep, (unsigned long long)v[0],
                   (unsigned long long)v[v.size() / 2], (unsigned long long)v[v.size() * 9 / 10]);
       first = false;
     }
