@@ -14,7 +14,7 @@ from torch_afdep import controls, env
 def test_defaults_are_role_aware_and_symmetric_reverts_all():
     experimental = [n for n, c in controls.CONTROLS.items() if not c.default]
     # experimental, off by default until an A/B shows them faster with no slow processes
-    assert experimental == ["AFDEP_FANOUT_EXPAND", "AFDEP_REWARM_PARAMS", "AFDEP_RAW_META"]
+    assert experimental == ["AFDEP_FANOUT_EXPAND", "AFDEP_RAW_META"]
     assert controls.flags({}) == controls.DEFAULT
     assert controls.DEFAULT == controls.ALL_ROLE_AWARE & ~sum(
         controls.CONTROLS[n].bit for n in experimental)

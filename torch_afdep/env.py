@@ -185,14 +185,6 @@ _CONTROLS = (
              "loads and stores spread over up to the kernel's grid of CTAs (one per SM by default; "
              "at T = 1 the expert layout's reply loads 8 rows, 64 KB); the same outputs; 0 = "
              "unit u on warp u % 16 of CTA u / 16"),
-    _control("AFDEP_REWARM_PARAMS", 23, 0,
-             "experimental, off by default: the FFN's receive of flagged units (either layout, "
-             "small buckets), once its counts are seen, has warps 1-15 read one word of every "
-             "64-byte line of its parameter block, so that lines the constant cache lost while "
-             "the receive spun are fetched at once instead of one after another in the warp "
-             "that places the token (on one H100 its first look at the token's units returns "
-             "0.9 us after its counts, at hidden 1,024 as at 4,096); the same outputs; 0 = no "
-             "reads"),
     _control("AFDEP_RAW_META", 25, 0,
              "experimental, off by default (one H200, b08bcd0: its graph, trace-ordering and "
              "bucket-mismatch tests pass, memcheck clean; token layout 1A1F T = 1 within the "
@@ -409,6 +401,8 @@ RETIRED: Dict[str, str] = {
                          "layout) at T = 1, +1.0% and +1.3% at T = 7",
     "AFDEP_WARM_LINES": "removed in session 48 before its A/B: its token-layout graph "
                         "replays timed out (cause not found)",
+    "AFDEP_REWARM_PARAMS": "removed in session 50: the token layout's receive no shorter (its "
+                           "first poll returned 0.96 us after ready against 0.90)",
 }
 
 

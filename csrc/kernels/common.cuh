@@ -68,53 +68,6 @@ __device__ __forceinline__ void pdl_wait(const Layout& L) {
 #endif
 }
 
-// F_REWARM_PARAMS (experimental): every launch has its parameter block (the Layout, then the
-// launch's Args: about 13 constant-cache lines of 64 B), and a warp that reads fields of many
-// of its lines in turn waits for each line's miss in turn. A receive that has spun on its
-// counts for hundreds of microseconds (on a GPU that ranks share, while the other rank's
-// kernels ran) may find the lines gone from the constant cache when the token arrives: its
-// first look at the token's units came back 0.9 us after "ready" whatever the row's size.
-// warm_params: warp 1 + i reads word min(16 i, last) of the block, so that the lines are
-// fetched at once, over the warps, while warp 0 reads its own first fields. Constant offsets
-// on by-value parameters; each value kept by a shared store (ptxas drops a load whose value
-// nothing uses, even an empty asm's input).
-template <int kWord, typename P>
-__device__ __forceinline__ uint32_t param_word(const P& p) {
-  static_assert(kWord >= 0 && (kWord + 1) * 4 <= (int)sizeof(P), "a word inside the block");
-  return reinterpret_cast<const uint32_t*>(&p)[kWord];
-}
-// the reads of a P: words 0, 16, 32, ... and its last word (every 64-B line it spans)
-template <typename P>
-constexpr int param_reads() {
-  return (int)((sizeof(P) / 4 + 15) / 16) + ((sizeof(P) / 4) % 16 != 1);
-}
-template <typename P, int kI = 0>
-__device__ __forceinline__ bool warm_read(const P& p, int i, uint32_t& v) {
-  if constexpr (kI < param_reads<P>()) {
-    constexpr int last = (int)(sizeof(P) / 4) - 1;
-    constexpr int word = kI * 16 < last ? kI * 16 : last;
-    if (i == kI) {
-      v = param_word<word>(p);
-      return true;
-    }
-    return warm_read<P, kI + 1>(p, i, v);
-  } else {
-    return false;
-  }
-}
-template <typename Args>
-__device__ __forceinline__ void warm_params(const Layout& L, const Args& a) {
-  static_assert(1 + param_reads<Layout>() + param_reads<Args>() <= kWarps,
-                "a warp for each read of the parameter block");
-  const int w = (int)(threadIdx.x >> 5) - 1;
-  uint32_t v;
-  if (w < 0 || !(warm_read(L, w, v) || warm_read(a, w - param_reads<Layout>(), v))) return;
-  __shared__ uint32_t s_warm[kWarps];
-  if ((threadIdx.x & 31) == 0)  // (a plain store to a never-read array is dropped too)
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(&s_warm[w])),
-                 "r"(v));
-}
-
 // Lets the next PDL-launched kernel of the stream be scheduled now: its CTAs take free SMs
 // and sit in pdl_wait, instead of being launched once this grid has ended.
 __device__ __forceinline__ void pdl_launch_dependents(const Layout& L) {

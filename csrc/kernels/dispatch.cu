@@ -1628,7 +1628,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
       }
       booked = true;
       fence = 0;
-      if (fl & F_REWARM_PARAMS) warm_params(L, a);  // (warps 1-15; warp 0 goes on)
     } else if (!kSmall && L.ll && a.real_recv) {  // F_LL_SMALL: either form (ll_exchange)
       fence = 0;
       int* s_form = smem + 3 * L.A * L.S;  // place_tokens' arrays come first

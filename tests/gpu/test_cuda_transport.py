@@ -434,54 +434,6 @@ def test_ll_experts_eager(layout, dtype):
             assert {"kUnitExpRecv", "kCountRecvLL"} <= st["forms"][0], (r, st["forms"])
 
 
-# Experimental controls of the flagged-unit forms, each on alone. AFDEP_REWARM_PARAMS: the
-# units' receive, once its counts are seen, has warps 1-15 read every line of its parameter
-# block (no output may move).
-UNIT_CONTROLS = {"rewarm_params": "AFDEP_REWARM_PARAMS"}
-
-
-@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
-@pytest.mark.parametrize("layout,dtype", [("1A1F", "bfloat16"), ("1A1F", "float8_e4m3fn"),
-                                          ("2A2F", "bfloat16"), ("1A3F", "float8_e4m3fn")])
-def test_unit_control_eager(control, layout, dtype):
-    """One experimental control of UNIT_CONTROLS on, the expert layout: every exchange of
-    llx_plan exact on every rank (units at buckets 8, 24 and 2, whose T is below the channel
-    count; the count form beside them); the control on in every rank's transport and the
-    units' receive launched."""
-    name, A = UNIT_CONTROLS[control], LAYOUTS[layout][1]
-    res = run(layout, cfg_kw(layout, 128, 2048, dtype), llx_plan(A), env={name: "1"}, seed=31)
-    for r, st in enumerate(res):
-        assert st["flags"] & controls.CONTROLS[name].bit, (r, hex(st["flags"]))
-        if st["role"] == "ffn":
-            assert "kUnitExpRecv" in st["forms"][0], (r, st["forms"])
-
-
-@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
-@pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS[:1] + UNIT_CELLS[2:],
-                         ids=["bf16-B8-T1", "fp8-B49-T7"])
-def test_unit_control_graph_replays(control, dtype, bucket, tokens):
-    """One experimental control of UNIT_CONTROLS on, 100 checked graph replays of the expert
-    layout (bucket 8: the units both ways; 49: the count form's dispatch, the reply's rows as
-    units)."""
-    units = bucket <= 24
-    graph_replays_1a1f(dtype, bucket, tokens, {UNIT_CONTROLS[control]: "1"}, 9500,
-                       forms=(("kUnitExpRecv" if units else "kCountRecvLL", None),
-                              ("kSmallSend" if units else "kCountSend", None)))
-
-
-@pytest.mark.parametrize("control", list(UNIT_CONTROLS))
-def test_unit_control_sanitizer_small(control):
-    """Small 1A1F exchanges with one experimental control of UNIT_CONTROLS on (run under
-    compute-sanitizer by scripts/gpu_suite.sh): units at buckets 24 and 8 (T = 7 and 1), the
-    count form at 48; FP8 rows at bucket 8."""
-    env = {UNIT_CONTROLS[control]: "1"}
-    kw = cfg_kw("1A1F", 64, 1024, "bfloat16")
-    run("1A1F", kw, [(24, [7], "partial"), (8, [1], "skewed"), (48, [33], "random")],
-        env=env, seed=37)
-    kw = cfg_kw("1A1F", 64, 1024, "float8_e4m3fn")
-    run("1A1F", kw, [(8, [1], "random"), (8, [5], "skewed")], env=env, seed=47)
-
-
 @pytest.mark.parametrize("dtype,bucket,tokens", UNIT_CELLS,
                          ids=["bf16-B8-T1", "bf16-B48-T48", "fp8-B49-T7"])
 def test_ll_experts_graph_replays(dtype, bucket, tokens):
@@ -862,11 +814,10 @@ def test_sanitizer_small():
     ("experts", []), ("tokens", []), ("experts", ["AFDEP_RAW_META=1"]),
     ("tokens", ["AFDEP_RAW_META=1"]), ("experts", ["AFDEP_FANOUT_EXPAND=1"]),
     ("experts", ["AFDEP_UNIT_SIGNAL=0"]), ("experts", ["AFDEP_SHUFFLE_MATCH=0"]),
-    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"]),
-    ("tokens", ["AFDEP_REWARM_PARAMS=1"])],
+    ("tokens", ["AFDEP_SHUFFLE_MATCH=0"]), ("tokens", ["AFDEP_SETTLE_UNITS=0"])],
     ids=["experts-defaults", "tokens-defaults", "experts-raw_meta", "tokens-raw_meta",
          "experts-fanout", "experts-unit_signal_off", "experts-match_any",
-         "tokens-match_any", "tokens-spin_each", "tokens-rewarm_params"])
+         "tokens-match_any", "tokens-spin_each"])
 def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     """benchmarks.trace (AFDEP_TRACE=1) on two GPUs, or on one under CUDA MPS: every stage of
     a T = 1, a T = 128 and again a T = 1 exchange is recorded and the CTA-0 sub-stages (claim,
@@ -879,9 +830,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     unit_signal_off: AFDEP_UNIT_SIGNAL=0 (on by default), the default forms; match_any:
     AFDEP_SHUFFLE_MATCH=0 (on by default), the default forms (the claim's and the lone
     receive's repeated ids by MATCH.ANY); spin_each: AFDEP_SETTLE_UNITS=0 (on by default), the
-    default forms (the token layout's receive spinning on each metadata unit in turn);
-    rewarm_params: AFDEP_REWARM_PARAMS=1, the default forms (the receive's warps 1-15 reading
-    the parameter block once its counts are seen). Where the
+    default forms (the token layout's receive spinning on each metadata unit in turn). Where the
     token layout's receive settles its units (not spin_each, not raw_meta), its wait splits at
     its first poll's return."""
     import json
@@ -904,8 +853,7 @@ def test_trace_stages_are_ordered(layout, afdep_env, tmp_path):
     if afdep_env:  # the T = 1 dispatch's form (T = 128: the count form or generic)
         want = {"AFDEP_RAW_META=1": "kRawSend" if layout == "tokens" else "kSmallSend",
                 "AFDEP_FANOUT_EXPAND=1": "kSmallSend", "AFDEP_UNIT_SIGNAL=0": "kSmallSend",
-                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend",
-                "AFDEP_REWARM_PARAMS=1": "kSmallSend"}
+                "AFDEP_SHUFFLE_MATCH=0": "kSmallSend", "AFDEP_SETTLE_UNITS=0": "kSmallSend"}
         assert rows[0]["kernel_forms"][0] == want[afdep_env[0]], rows[0]["kernel_forms"]
     # the T = 1 receive's and reply's forms
     want_ffn = {"experts": ["kUnitExpFan" if afdep_env == ["AFDEP_FANOUT_EXPAND=1"]

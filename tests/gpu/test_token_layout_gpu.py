@@ -737,17 +737,6 @@ def test_token_layout_spin_each_graphs(layout, dtype_name):
                      ffn_receive_form="kSmallRecv")
 
 
-@pytest.mark.parametrize("layout,dtype_name", [("1A1F", "bfloat16"), ("2A2F", "float8_e4m3fn"),
-                                               ("1A3F", "bfloat16"), ("3A1F", "bfloat16")])
-def test_token_layout_rewarm_params_graphs(layout, dtype_name):
-    """test_token_layout_ll_small_graphs with AFDEP_REWARM_PARAMS=1 (experimental, off by
-    default): the receive of flagged units (kSmallRecv) has warps 1-15 read its parameter block
-    once its counts are seen. Every row exact, hostile ids reported."""
-    run_token_graphs(layout, dtype_name, env={"AFDEP_LL_SMALL": "1", "AFDEP_REWARM_PARAMS": "1"},
-                     cap=4, zero_copy=True, attention_send_form="kSmallSend",
-                     ffn_receive_form="kSmallRecv")
-
-
 @pytest.mark.parametrize("layout,settle", [("1A1F", "1"), ("3A1F", "1"), ("1A1F", "0")],
                          ids=["1A1F", "3A1F", "1A1F-spin_each"])
 def test_token_layout_delayed_sender(layout, settle):

@@ -53,8 +53,6 @@ namespace afdep {
   X(SPREAD_CHUNKS, 22)      /* the small combine forms and the token layout's units receive: \
                                a row's chunks go to one warp on each of several CTAs, not to  \
                                one CTA's warps */                                             \
-  X(REWARM_PARAMS, 23)      /* the receive of flagged units: once its counts are seen, warps  \
-                               1-15 read every line of the parameter block (experimental) */  \
   X(RAW_META, 25)           /* token layout, F_LONE_TOKEN: a lone token's raw ids and weights \
                                go ahead of its row; each FFN rank derives its own columns     \
                                (kRawSend, kRawRecv, experimental) */                          \
