@@ -724,7 +724,9 @@ static int ipcq_main(int rank, const char* dir) {
 // between replays; L2 emptied between replays (a 256 MB write), so that the parameter block
 // and the code come from memory; straight-line code before the load (256 or 1,024
 // multiply-adds, 4 or 16 KB), with the SMs' instruction caches filled by other code in front
-// (icache_cold) or not: what fetching a kernel's code costs at its start.
+// (icache_cold) or not: what fetching a kernel's code costs at its start; the SMs' constant
+// caches filled by 64 other kernels' 4 KB parameter blocks in front (params_cold); the
+// address from three dependent constant reads (indexed), as the library's window bases.
 // Each case: rounds after 10 warm-up ones; ns from the start stamp (after the wait) to the
 // load's return, thread 0 of CTA 0.
 struct BigArgs {  // 792 B, as the library's Layout and arguments; four lines feed the load
@@ -739,7 +741,11 @@ struct BigArgs {  // 792 B, as the library's Layout and arguments; four lines fe
   uint64_t* out;
   int* ctr;
   int pdl, pad4;
+  int idx, tab[15];             // (indexed: a line of its own)
+  const uint64_t* ptrs[8];      // (indexed: another)
 };
+// kCode = -1 (indexed): the address from three dependent constant reads, as the library's
+// window bases (ptrs[tab[idx]] + off), instead of four independent ones
 template <int kCode>
 __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -751,8 +757,9 @@ __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
 #pragma unroll
   for (int i = 0; i < kCode; ++i)
     asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)i));
-  const uint32_t h = kCode ? x[0] ^ x[1] ^ x[2] ^ x[3] : 0u;
-  const uint64_t* p = a.base + a.off + a.stride * a.rank + (h == 1u ? 1 : 0);
+  const uint32_t h = kCode > 0 ? x[0] ^ x[1] ^ x[2] ^ x[3] : 0u;
+  const uint64_t* p = kCode < 0 ? a.ptrs[a.tab[a.idx & 15] & 7] + a.off
+                                : a.base + a.off + a.stride * a.rank + (h == 1u ? 1 : 0);
   const uint64_t v = ld_sys(p);
   if (v == 0x0123456789abcdefull) a.out[1023] = v;  // (the branch waits for the load)
   const uint64_t dt = now_ns() - t0;
@@ -767,6 +774,14 @@ __global__ void icache_flush(uint64_t* out) {
   for (int i = 0; i < 4096; ++i)
     asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)(i * 7 + 3)));
   if ((x[0] ^ x[1] ^ x[2] ^ x[3]) == 12345u) out[1022] = x[0];
+}
+// Other parameter blocks through every SM's constant caches: each launch (64 of them, on
+// every SM) reads the 64 lines of its own 4 KB block; out[1021] keeps the result
+struct HugeArgs { uint32_t w[1024]; uint64_t* out; };
+__global__ void param_flush(HugeArgs h) {
+  const int l = threadIdx.x & 31;
+  const uint32_t v = h.w[(2 * l) * 16] ^ h.w[(2 * l + 1) * 16];
+  if (v == 0xdeadbeefu) h.out[1021] = v;
 }
 // L2 emptied between rounds: 256 MB written from every SM
 __global__ void thrash(uint4* p, size_t n) {
@@ -793,15 +808,24 @@ static int launch_main() {
   a.off = 8;
   a.stride = 16;
   a.rank = 1;  // line + 24: word 24, a line of its own
+  a.idx = 5;   // indexed: ptrs[tab[5]] + 8 = line + 16 + 8, the same word
+  a.tab[5] = 3;
+  a.ptrs[3] = line + 16;
   a.out = out;
   a.ctr = ctr;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   // one round: (thrash), writer (the line just written, as a producer kernel leaves it), the
   // probe kernel (PDL-launched or not)
-  auto round = [&](int grid, int threads, int code, bool pdl, bool cold, bool flush) {
+  auto round = [&](int grid, int threads, int code, bool pdl, bool cold, int flush) {
     if (cold) thrash<<<sms * 4, 512, 0, s>>>(big, big_n);
-    if (flush) icache_flush<<<sms, 32, 0, s>>>(out);
+    if (flush & 1) icache_flush<<<sms, 32, 0, s>>>(out);
+    for (int k = 0; (flush & 2) && k < 64; ++k) {
+      HugeArgs hp;
+      for (int i = 0; i < 1024; ++i) hp.w[i] = (uint32_t)(k * 1024 + i);
+      hp.out = out;
+      param_flush<<<sms, 32, 0, s>>>(hp);
+    }
     writer<<<1, 1, 0, s>>>(const_cast<uint64_t*>(a.base) + 24, 1);
     BigArgs b = a;
     b.pdl = pdl;
@@ -816,6 +840,7 @@ static int launch_main() {
     cfg.numAttrs = pdl ? 1 : 0;
     if (code == 1024) CK(cudaLaunchKernelEx(&cfg, launch_load<1024>, b));
     else if (code == 256) CK(cudaLaunchKernelEx(&cfg, launch_load<256>, b));
+    else if (code < 0) CK(cudaLaunchKernelEx(&cfg, launch_load<-1>, b));
     else CK(cudaLaunchKernelEx(&cfg, launch_load<0>, b));
   };
   struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold, flush; };
@@ -832,6 +857,10 @@ static int launch_main() {
       {"graph_pdl_code1024", 24, 512, 1024, 1, 1, 0, 0, 0},
       {"graph_pdl_code1024_icache_cold", 24, 512, 1024, 1, 1, 0, 0, 1},
       {"graph_pdl_code1024_l2_cold", 24, 512, 1024, 1, 1, 0, 1, 1},
+      {"graph_pdl_params_cold", 24, 512, 0, 1, 1, 0, 0, 2},
+      {"graph_pdl_indexed", 24, 512, -1, 1, 1, 0, 0, 0},
+      {"graph_pdl_indexed_params_cold", 24, 512, -1, 1, 1, 0, 0, 2},
+      {"graph_pdl_indexed_all_cold", 24, 512, -1, 1, 1, 0, 1, 3},
   };
   std::printf("{\"rounds\": %d, \"sms\": %d, \"cases\": [", rounds - 10, sms);
   bool first = true;
@@ -862,12 +891,12 @@ static int launch_main() {
       CK(cudaGetLastError());
       if (ge) CK(cudaGraphExecDestroy(ge));
       const std::vector<uint64_t> v = sorted_rounds(out, 0, rounds);
-      std::printf("%s{\"case\": \"%s\", \"grid\": %d, \"threads\": %d, \"code_adds\": %d, "
+      std::printf("%s{\"case\": \"%s\", \"grid\": %d, \"threads\": %d, \"code_mads\": %d, "
                   "\"graph\": %d, \"pdl\": %d, \"idle_us\": %d, \"l2_cold\": %d, "
-                  "\"icache_cold\": %d, \"rep\": %d, "
+                  "\"icache_cold\": %d, \"params_cold\": %d, \"rep\": %d, "
                   "\"min_ns\": %llu, \"median_ns\": %llu, \"p90_ns\": %llu}",
                   first ? "" : ", ", k.name, k.grid, k.threads, k.code, k.graph, k.pdl,
-                  k.idle_us, k.cold, k.flush, rep, (unsigned long long)v[0],
+                  k.idle_us, k.cold, k.flush & 1, k.flush >> 1, rep, (unsigned long long)v[0],
                   (unsigned long long)v[v.size() / 2], (unsigned long long)v[v.size() * 9 / 10]);
       first = false;
     }
