@@ -726,10 +726,14 @@ static int ipcq_main(int rank, const char* dir) {
 // multiply-adds, 4 or 16 KB), with the SMs' instruction caches filled by other code in front
 // (icache_cold) or not: what fetching a kernel's code costs at its start; the SMs' constant
 // caches filled by 64 other kernels' 4 KB parameter blocks in front (params_cold); the
-// address from three dependent constant reads (indexed), as the library's window bases.
+// address from three dependent constant reads (indexed), as the library's window bases;
+// code that branches forward over blocks it does not run (branchy), as the library's paths
+// skip what a role or a size does not take, and every SM's instruction caches filled by
+// 256 KB of other code from four warps first (icache_deep: icache_cold's 64 KB from one warp
+// may leave a cache that holds 128 KB with the probe's own lines).
 // Each case: rounds after 10 warm-up ones; ns from the start stamp (after the wait) to the
 // load's return, thread 0 of CTA 0.
-struct BigArgs {  // 792 B, as the library's Layout and arguments; four lines feed the load
+struct BigArgs {  // 824 B, as the library's Layout and arguments; four lines feed the load
   const uint64_t* base;
   uint64_t pad0[7];
   uint64_t off;
@@ -743,9 +747,13 @@ struct BigArgs {  // 792 B, as the library's Layout and arguments; four lines fe
   int pdl, pad4;
   int idx, tab[15];             // (indexed: a line of its own)
   const uint64_t* ptrs[8];      // (indexed: another)
+  int never[8];                 // (branchy: 0, each skips a block)
 };
 // kCode = -1 (indexed): the address from three dependent constant reads, as the library's
 // window bases (ptrs[tab[idx]] + off), instead of four independent ones
+// kCode = -3 / -4 (branchy): 8 blocks of 16 multiply-adds that run, each followed by a block
+// of 64 / 16 (1 KB / 256 B) that a parameter skips: 8 taken forward branches over code never
+// run, as many as the library's dispatch passes between its start stamp and its first loads
 template <int kCode>
 __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -757,8 +765,24 @@ __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
 #pragma unroll
   for (int i = 0; i < kCode; ++i)
     asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)i));
-  const uint32_t h = kCode > 0 ? x[0] ^ x[1] ^ x[2] ^ x[3] : 0u;
-  const uint64_t* p = kCode < 0 ? a.ptrs[a.tab[a.idx & 15] & 7] + a.off
+  if constexpr (kCode == -3 || kCode == -4) {
+    constexpr int kSkip = kCode == -3 ? 64 : 16;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)(b * 16 + i)));
+      if (a.never[b]) {
+#pragma unroll
+        for (int i = 0; i < kSkip; ++i)
+          asm volatile("mad.lo.u32 %0, %0, %0, %1;"
+                       : "+r"(x[i & 3])
+                       : "r"((uint32_t)(1000 + b * kSkip + i)));
+      }
+    }
+  }
+  const uint32_t h = (kCode > 0 || kCode < -2) ? x[0] ^ x[1] ^ x[2] ^ x[3] : 0u;
+  const uint64_t* p = kCode == -1 ? a.ptrs[a.tab[a.idx & 15] & 7] + a.off
                                 : a.base + a.off + a.stride * a.rank + (h == 1u ? 1 : 0);
   const uint64_t v = ld_sys(p);
   if (v == 0x0123456789abcdefull) a.out[1023] = v;  // (the branch waits for the load)
@@ -767,12 +791,16 @@ __global__ void __launch_bounds__(512, 1) launch_load(BigArgs a) {
 }
 // Other code through every SM's instruction caches (64 KB of straight-line multiply-adds, one
 // warp a SM), so that launch_load's code comes from L2 (the chain's kernels run between
-// other kernels); out[1022] keeps the result
+// other kernels); out[1022] keeps the result. kSeed: four distinct 64 KB bodies (icache_deep
+// runs all four from four warps a SM, one a scheduler)
+template <int kSeed = 0>
 __global__ void icache_flush(uint64_t* out) {
   uint32_t x[4] = {threadIdx.x, threadIdx.x + 1, threadIdx.x + 2, blockIdx.x};
 #pragma unroll
   for (int i = 0; i < 4096; ++i)
-    asm volatile("mad.lo.u32 %0, %0, %0, %1;" : "+r"(x[i & 3]) : "r"((uint32_t)(i * 7 + 3)));
+    asm volatile("mad.lo.u32 %0, %0, %0, %1;"
+                 : "+r"(x[i & 3])
+                 : "r"((uint32_t)(i * 7 + 3 + kSeed * 65537)));
   if ((x[0] ^ x[1] ^ x[2] ^ x[3]) == 12345u) out[1022] = x[0];
 }
 // Other parameter blocks through every SM's constant caches: each launch (64 of them, on
@@ -820,6 +848,12 @@ static int launch_main() {
   auto round = [&](int grid, int threads, int code, bool pdl, bool cold, int flush) {
     if (cold) thrash<<<sms * 4, 512, 0, s>>>(big, big_n);
     if (flush & 1) icache_flush<<<sms, 32, 0, s>>>(out);
+    if (flush & 4) {
+      icache_flush<0><<<sms, 128, 0, s>>>(out);
+      icache_flush<1><<<sms, 128, 0, s>>>(out);
+      icache_flush<2><<<sms, 128, 0, s>>>(out);
+      icache_flush<3><<<sms, 128, 0, s>>>(out);
+    }
     for (int k = 0; (flush & 2) && k < 64; ++k) {
       HugeArgs hp;
       for (int i = 0; i < 1024; ++i) hp.w[i] = (uint32_t)(k * 1024 + i);
@@ -840,9 +874,14 @@ static int launch_main() {
     cfg.numAttrs = pdl ? 1 : 0;
     if (code == 1024) CK(cudaLaunchKernelEx(&cfg, launch_load<1024>, b));
     else if (code == 256) CK(cudaLaunchKernelEx(&cfg, launch_load<256>, b));
+    else if (code == -3) CK(cudaLaunchKernelEx(&cfg, launch_load<-3>, b));
+    else if (code == -4) CK(cudaLaunchKernelEx(&cfg, launch_load<-4>, b));
     else if (code < 0) CK(cudaLaunchKernelEx(&cfg, launch_load<-1>, b));
     else CK(cudaLaunchKernelEx(&cfg, launch_load<0>, b));
   };
+  // code: multiply-adds in front of the load (> 0), indexed (-1), branchy 1 KB / 256 B (-3 / -4);
+  // cold: L2 emptied; flush bits: 1 instruction caches (64 KB), 2 parameter blocks, 4 instruction
+  // caches deep (256 KB)
   struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold, flush; };
   const Case cases[] = {
       {"plain_1x32", 1, 32, 0, 0, 0, 0, 0, 0},
@@ -861,6 +900,15 @@ static int launch_main() {
       {"graph_pdl_indexed", 24, 512, -1, 1, 1, 0, 0, 0},
       {"graph_pdl_indexed_params_cold", 24, 512, -1, 1, 1, 0, 0, 2},
       {"graph_pdl_indexed_all_cold", 24, 512, -1, 1, 1, 0, 1, 3},
+      {"graph_pdl_icache_deep", 24, 512, 0, 1, 1, 0, 0, 4},
+      {"graph_pdl_code256_icache_deep", 24, 512, 256, 1, 1, 0, 0, 4},
+      {"graph_pdl_code1024_icache_deep", 24, 512, 1024, 1, 1, 0, 0, 4},
+      {"graph_pdl_branchy1k", 24, 512, -3, 1, 1, 0, 0, 0},
+      {"graph_pdl_branchy1k_icache_cold", 24, 512, -3, 1, 1, 0, 0, 1},
+      {"graph_pdl_branchy1k_icache_deep", 24, 512, -3, 1, 1, 0, 0, 4},
+      {"graph_pdl_branchy256", 24, 512, -4, 1, 1, 0, 0, 0},
+      {"graph_pdl_branchy256_icache_deep", 24, 512, -4, 1, 1, 0, 0, 4},
+      {"graph_pdl_branchy1k_all_cold", 24, 512, -3, 1, 1, 0, 1, 6},
   };
   std::printf("{\"rounds\": %d, \"sms\": %d, \"cases\": [", rounds - 10, sms);
   bool first = true;
@@ -896,7 +944,8 @@ static int launch_main() {
                   "\"icache_cold\": %d, \"params_cold\": %d, \"rep\": %d, "
                   "\"min_ns\": %llu, \"median_ns\": %llu, \"p90_ns\": %llu}",
                   first ? "" : ", ", k.name, k.grid, k.threads, k.code, k.graph, k.pdl,
-                  k.idle_us, k.cold, k.flush & 1, k.flush >> 1, rep, (unsigned long long)v[0],
+                  k.idle_us, k.cold, (k.flush & 4) ? 2 : (k.flush & 1), (k.flush >> 1) & 1, rep,
+                  (unsigned long long)v[0],
                   (unsigned long long)v[v.size() / 2], (unsigned long long)v[v.size() * 9 / 10]);
       first = false;
     }
