@@ -25,7 +25,8 @@
 #          "queue fresh"; "main" runs it without a mode; "ipc" and "ipcq" as its two processes),
 #          each within PROBE_TIMEOUT s (default 40), into $OUT/probe/<mode>.json (stderr beside
 #          it as <mode>.err); PROBE_MPS=1 runs them under an MPS daemon of their own, into
-#          <mode>-mps.json; always from this checkout, whatever TREE says
+#          <mode>-mps.json; always from this checkout, whatever TREE says. probe2, probe3, ...:
+#          more runs in the same call from PROBE2_MODES, PROBE2_MPS, ... (built once)
 # TREE=<folder>: the library steps build and run the checkout in that folder instead (e.g. an
 # older commit's `git archive` under .carry/, carried with `run`), to measure a control that a
 # later commit removed; the call's own .carry/py still goes on PYTHONPATH.
@@ -119,20 +120,24 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
     (cd "$LIB" && OUT="$ROOT/profile" timeout -k 10 "$t" bash scripts/gpu_profile.sh) \
       > "$ROOT/profile.log" 2>&1
     stamp "profile rc=$?";;
-  probe)
+  probe|probe[0-9]*)
+    # probe reads PROBE_MODES, PROBE_MPS; probeN reads PROBEN_* (the same files' folder)
+    v=PROBE${s#probe}; mv="${v}_MODES" pv="${v}_MPS"
+    modes=${!mv:-queue fresh} want_mps=${!pv:-0}
     t=$(secs 15); [ -n "$t" ] || continue
     mkdir -p "$ROOT/probe"
-    stamp "probe ${PROBE_MODES:-queue fresh}"
-    if ! timeout -k 5 "$t" nvcc -O3 -arch=sm_90a -o "$ROOT/probe/poll_probe" \
-        "$SELF/scripts/poll_probe.cu" > "$ROOT/probe/build.log" 2>&1; then
+    stamp "$s $modes"
+    if [ ! -x "$ROOT/probe/poll_probe" ] && ! timeout -k 5 "$t" nvcc -O3 -arch=sm_90a \
+        -o "$ROOT/probe/poll_probe" "$SELF/scripts/poll_probe.cu" > "$ROOT/probe/build.log" 2>&1
+    then
       stamp "probe: nvcc failed (probe/build.log)"; continue
     fi
     mps=""  # PROBE_MPS=1: the modes run under an MPS daemon of their own (files <mode>-mps.*)
-    if [ "${PROBE_MPS:-0}" = 1 ]; then
+    if [ "$want_mps" = 1 ]; then
       if mps_start /tmp/afdep-probe-mps; then mps=-mps; stamp "probe: MPS daemon started"
       else stamp "probe: no MPS daemon"; fi
     fi
-    for m in ${PROBE_MODES:-queue fresh}; do
+    for m in $modes; do
       t=$(( $(left) - 15 )); [ "$t" -gt "${PROBE_TIMEOUT:-40}" ] && t=${PROBE_TIMEOUT:-40}
       if [ "$t" -lt 5 ]; then stamp "probe $m skipped: ${t}s left"; break; fi
       f="$ROOT/probe/$m$mps"
@@ -151,10 +156,10 @@ symmetric --receive-layouts tokens experts --tokens ${BENCH_T:-1 32 128 512 2048
     done
     if [ -n "$mps" ]; then mps_quit >> "$ROOT/call.log"; fi
     # (set only for the probe's daemon: the later steps' gpu_suite.sh starts its own)
-    [ "${PROBE_MPS:-0}" = 1 ] && unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    rm -f "$ROOT/probe/poll_probe";;
+    [ "$want_mps" = 1 ] && unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY;;
   *) stamp "unknown step $s";;
   esac
 done
+rm -f "$ROOT/probe/poll_probe"  # (built once by the first probe step; not worth packing)
 stamp "call done"
 OUT=$ROOT bash "$(dirname "$0")/pack_out.sh"

@@ -122,6 +122,33 @@ def test_probe_step_under_its_own_mps_daemon(tmp_path):
                                               "quit /tmp/afdep-probe-mps-pipe"]
 
 
+def test_a_second_probe_step_reads_its_own_settings_and_builds_nothing(tmp_path):
+    """probe2 runs PROBE2_MODES, under MPS when PROBE2_MPS=1 (files <mode>-mps.*, beside the
+    first step's <mode>.*), with the binary the first probe step built: nvcc runs once."""
+    fake_probe = tmp_path / "fake_probe"
+    fake_probe.write_text('#!/usr/bin/env bash\necho "{\\"args\\": \\"$*\\"}"\n')
+    fake_probe.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    builds = tmp_path / "builds"
+    (bin_dir / "nvcc").write_text(f'#!/usr/bin/env bash\necho built >> {builds}\n'
+                                  'while [ $# -gt 0 ]; do [ "$1" = -o ] && o=$2; shift; done\n'
+                                  f'cp {fake_probe} "$o"\n')
+    (bin_dir / "nvidia-cuda-mps-control").write_text("#!/usr/bin/env bash\ncat > /dev/null\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    lines = _call(tmp_path, STEPS="probe probe2", LIMIT="120", PROBE_MODES="launch",
+                  PROBE2_MODES="launch", PROBE2_MPS="1", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert lines[1:] == ["probe launch", "probe launch rc=0", "probe2 launch",
+                         "probe: MPS daemon started", "probe launch-mps rc=0", "call done"], lines
+    assert builds.read_text().splitlines() == ["built"]
+    with tarfile.open(out / "bundle.tgz") as t:
+        names = sorted(m.name for m in t.getmembers() if m.isfile())
+    assert "./probe/launch.json" in names and "./probe/launch-mps.json" in names, names
+    assert "./probe/poll_probe" not in names, names
+
+
 def test_a_tree_that_is_no_checkout_runs_no_step(tmp_path):
     """TREE names the checkout the library steps build and run; where it holds none the call
     says so, runs none of its steps and still packs."""
