@@ -881,7 +881,7 @@ static int launch_main() {
   };
   // code: multiply-adds in front of the load (> 0), indexed (-1), branchy 1 KB / 256 B (-3 / -4);
   // cold: L2 emptied; flush bits: 1 instruction caches (64 KB), 2 parameter blocks, 4 instruction
-  // caches deep (256 KB)
+  // caches deep (256 KB; the JSON's icache_cold is then 2)
   struct Case { const char* name; int grid, threads, code, graph, pdl, idle_us, cold, flush; };
   const Case cases[] = {
       {"plain_1x32", 1, 32, 0, 0, 0, 0, 0, 0},
