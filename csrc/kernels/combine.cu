@@ -559,8 +559,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int lg = chunk_log2(units, nw, nv);
       const int nch = 1 << lg;
       const int cv = (nv + nch - 1) >> lg;
-      // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
-      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
+      // s_ab: the completion signal below reads it too (after the bar.sync in front of it);
+      // the token layout's small reply fills it after its rows (below)
+      if (kForm != kSmallSend)
+        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
       // F_LL_SMALL: the start units (every Attention rank, mismatch or not) and the rows as
       // units, in either layout when ceil(bucket / S) <= kLLTokens (the collect decides from
       // its T, which its bucket bounds; a collect watching for units also takes the count
@@ -569,6 +571,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const uint32_t llf = (kUnits || (!kSmall && units_fit)) ? ll_flag(n) : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       plain = !llf || !(fl & F_UNIT_SIGNAL);
+      // The token layout's small reply: its rows first. Nothing in them reads s_ab or waits
+      // for the start units, and the set-up below (a loop of indexed parameter reads, the
+      // start units' loop) put about 100 instructions between the kernel's start and the
+      // first row's loads
+      if (kForm == kSmallSend) {
+        reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
+        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
+      }
       // The start units, by the grid's last CTA (on CTA 0 the mismatch load and the stores sat
       // in front of the first row's first chunk)
       if (kSpread) {
@@ -587,7 +597,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           plain = 1;
         }
       }
-      if (kForm == kSmallSend || (!kSmall && a.tokens)) {
+      if (kForm == kSmallSend) {
+        // (its rows went out above)
+      } else if (!kSmall && a.tokens) {
         reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();

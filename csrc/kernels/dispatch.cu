@@ -1463,6 +1463,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
+  // the exchange number first: the flagged units and the trace's "loaded" test wait for it,
+  // and issued behind the preload's address arithmetic it came back last
+  const uint64_t n = launch_number(L, kPhaseDispatch);
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
   // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
@@ -1482,7 +1485,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   __shared__ char* s_fb[kMaxFfn];
   for (int i = tid; !kRecvOnly && i < L.F; i += blockDim.x)
     s_fb[i] = ffn_window(L, i);
-  const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   // the small forms run only with the four directional controls on (dispatch_form and
   // combine_form check them)
