@@ -56,6 +56,8 @@ __device__ __forceinline__ uint64_t* llc_row(const Layout& L, char* base, int f,
 // slot >= 0 (F_EARLY_LOADS): `item` is receipt slot `slot` of source ai, which may be past
 // that source's token count; the count is loaded with the item's words and checked here.
 // llf != 0 (F_LL_SMALL, small bucket): into the token's row units at its source instead.
+// kDirect: the Attention window from attn_window, not ab (null), which no barrier has filled.
+template <bool kDirect = false>
 __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* ab, size_t item,
                             int ai, int v0, int v1, bool first, int lane, int (*s_rows)[32],
                             int warp, int src_idx, int slot = -1, uint32_t llf = 0) {
@@ -84,8 +86,9 @@ __device__ void reply_chunk(const Layout& L, const CombineArgs& a, char* const* 
   if (ok) s_rows[warp][__popc(b & lanemask_lt())] = row;
   __syncwarp();
   const int nv = L.H / 8;
-  int4* dst = reinterpret_cast<int4*>(ab[ai] + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
-  uint64_t* dstu = llc_row(L, ab[ai], L.my_index, tok);
+  char* const base = kDirect ? attn_window(L, ai) : ab[ai];
+  int4* dst = reinterpret_cast<int4*>(base + L.off_comb) + ((size_t)src_idx * L.C + tok) * nv;
+  uint64_t* dstu = llc_row(L, base, L.my_index, tok);
   const int4* rows = static_cast<const int4*>(a.rows);
   if (nvalid == 1 && llf) {
     const int4* src = rows + (size_t)s_rows[warp][0] * nv;
@@ -519,6 +522,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
   // layout's (kUnitReply); the collect's units (kSmallRecv)
   constexpr bool kUnits = form_units(kForm) || kForm == kUnitReply;
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
+  // the small replies, whose rows go out before their set-up (below)
+  constexpr bool kRowsFirst = kForm == kSmallSend || kForm == kUnitReply;
   __shared__ int s_rows[kWarps][32];
   __shared__ int s_tb[kMaxAttn + 1];  // first receipt unit of each Attention index
   // window base of every Attention rank (FFN reply), loaded once with the receipt counts
@@ -559,8 +564,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const int lg = chunk_log2(units, nw, nv);
       const int nch = 1 << lg;
       const int cv = (nv + nch - 1) >> lg;
-      // s_ab: the completion signal below reads it too (after the bar.sync in front of it)
-      for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
+      // s_ab: the completion signal below reads it too (after the bar.sync in front of it);
+      // the small replies fill it after their rows (kRowsFirst, below)
+      if (!kRowsFirst)
+        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
       // F_LL_SMALL: the start units (every Attention rank, mismatch or not) and the rows as
       // units, in either layout when ceil(bucket / S) <= kLLTokens (the collect decides from
       // its T, which its bucket bounds; a collect watching for units also takes the count
@@ -569,6 +576,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
       const uint32_t llf = (kUnits || (!kSmall && units_fit)) ? ll_flag(n) : 0u;
       if (kUnits) __builtin_assume(llf != 0u);  // (never 0) no plain-store path in this form
       plain = !llf || !(fl & F_UNIT_SIGNAL);
+      // kRowsFirst: the rows first. Nothing in them reads s_ab (the expert layout's takes its
+      // windows from attn_window, so no barrier stands in front of its receipt's loads) or
+      // waits for the start units, and the set-up (a loop of indexed parameter reads, the
+      // start units' loop, a barrier) put about 100 instructions between the kernel's start
+      // and the first row's loads
+      if (kForm == kSmallSend) {
+        reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
+      } else if (kForm == kUnitReply) {
+        for (int u = gw; u < units * nch; u += nw) {
+          const int h = u & (nch - 1), q = u >> lg;
+          const int ai = fast_div(q, a.div_bucket), v0 = h * cv, v1 = min(nv, v0 + cv);
+          if (v1 > v0)
+            reply_chunk<true>(L, a, nullptr, (size_t)q, ai, v0, v1, h == 0, lane, s_rows, warp,
+                              src_idx, q - ai * a.bucket, llf);
+        }
+      }
+      if (kRowsFirst)
+        for (int ai = tid; ai < L.A; ai += blockDim.x) s_ab[ai] = attn_window(L, ai);
       // The start units, by the grid's last CTA (on CTA 0 the mismatch load and the stores sat
       // in front of the first row's first chunk)
       if (kSpread) {
@@ -587,7 +612,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Layout L, CombineA
           plain = 1;
         }
       }
-      if (kForm == kSmallSend || (!kSmall && a.tokens)) {
+      if (kRowsFirst) {
+        // (their rows went out above)
+      } else if (!kSmall && a.tokens) {
         reply_token_rows_early(L, a, lg, cv, gw, nw, lane, src_idx, llf);
       } else {
         __syncthreads();

@@ -206,12 +206,13 @@ struct Preload {
   bool ids;          // e / w hold the warp's first token (lo + warp < hi)
   bool rows;         // v / s hold the CTA's rows (they fit: fewer than kWarps tokens)
   bool lone;         // F_LONE_TOKEN: one token, rows held, units: e / w in every warp
+  bool spare0;       // lone, and warp 0 holds none of the row (warps 1.. hold it all)
 };
 
 // units: this launch sends flagged units (F_LL_SMALL)
 __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchArgs& a,
                                                Preload& p, bool units) {
-  p.ids = p.rows = p.lone = false;
+  p.ids = p.rows = p.lone = p.spare0 = false;
   p.e = -1;
   p.w = 0.f;
   if (!(L.flags & F_EARLY_LOADS) || !a.do_send || !a.real_send) return;
@@ -231,14 +232,21 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
   p.ids = warp < ntok;
   p.rows = ntok < kWarps && ntok * nv <= kPreVecs * kThreads && ntok * L.scale_cols <= kThreads;
   p.lone = lone && p.rows;
+  // a lone token's warp 0 claims it while the other warps store its row (send_lone_token):
+  // where the row fits in warps 1.., none of it waits behind the claim
+  p.spare0 = p.lone && nv <= kPreVecs * (kThreads - 32) && L.scale_cols <= kThreads - 32;
   if (!p.rows) return;
   const int4* x = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                 (size_t)lo * L.row_bytes);
+  const bool s0 = units && p.spare0;  // (constant false in the forms without units)
+  const int first = s0 ? tid - 32 : tid, step = s0 ? kThreads - 32 : kThreads;
 #pragma unroll
-  for (int j = 0; j < kPreVecs; ++j)
-    if (tid + j * kThreads < ntok * nv) p.v[j] = ld_nc_v4(x + tid + j * kThreads);
-  if (L.scale_cols && tid < ntok * L.scale_cols)
-    p.s = a.x_scales[(size_t)lo * L.scale_cols + tid];
+  for (int j = 0; j < kPreVecs; ++j) {
+    const int v = first + j * step;
+    if ((!s0 || v >= 0) && v < ntok * nv) p.v[j] = ld_nc_v4(x + v);
+  }
+  if (L.scale_cols && (!s0 || first >= 0) && first < ntok * L.scale_cols)
+    p.s = a.x_scales[(size_t)lo * L.scale_cols + first];
 }
 
 // Copy stage of a preloaded CTA: each thread stores its vectors (and scale) into every slot
@@ -250,11 +258,15 @@ template <bool kLone = false>
 __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* const* fb, int ntok,
                                const int* s_slot, int src_idx, int c, const Preload& p,
                                uint32_t llf, uint64_t lone_mask = 0) {
-  const int tid = threadIdx.x, nv = L.row_bytes / 16;
+  const int nv = L.row_bytes / 16;
+  // the vectors and scale this thread holds (preload_sender's mapping)
+  const bool spare0 = kLone && p.spare0;
+  const int first = spare0 ? (int)threadIdx.x - 32 : threadIdx.x;
+  const int step = spare0 ? kThreads - 32 : kThreads;
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
-    const int v = tid + j * kThreads;
-    if (v >= ntok * nv) continue;
+    const int v = first + j * step;
+    if ((spare0 && v < 0) || v >= ntok * nv) continue;
     const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
@@ -270,8 +282,8 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
       reinterpret_cast<int4*>(b + L.off_payload + gslot * L.row_bytes)[col] = p.v[j];
     }
   }
-  if (L.scale_cols && tid < ntok * L.scale_cols) {
-    const int i = fast_div(tid, L.div_sc), q = tid - i * L.scale_cols;
+  if (L.scale_cols && (!spare0 || first >= 0) && first < ntok * L.scale_cols) {
+    const int i = fast_div(first, L.div_sc), q = first - i * L.scale_cols;
     for (int fd = 0; fd < L.F; ++fd) {
       const int slot = kLone ? (((lone_mask >> fd) & 1) ? 0 : -1) : s_slot[i * L.F + fd];
       if (slot < 0) continue;
@@ -1417,7 +1429,8 @@ __device__ __forceinline__ void store_raw_meta(const Layout& L, int t, int src_i
 // The FFN windows come from ffn_window, not the kernel's shared table: nothing here waits at a
 // barrier behind the table's writes.
 // kRaw (kRawSend, F_RAW_META): warp 0 stores the token's raw metadata units (raw_meta) once it
-// has the FFN-rank mask, then its row vectors, and only then the rest of the claim (route, id
+// has the FFN-rank mask, then its row vectors (none where the row fits in warps 1..,
+// Preload::spare0), and only then the rest of the claim (route, id
 // reports), which no FFN rank waits for: each derives its columns from the raw ids
 // (load_raw_units)
 template <bool kRaw = false, bool kShuffle = false>
@@ -1463,6 +1476,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   constexpr bool kSendOnly = form_send_only(kForm), kRecvOnly = form_recv_only(kForm);
   extern __shared__ __align__(16) int smem[];
   pdl_wait(L);
+  // the exchange number first: the flagged units and the trace's "loaded" test wait for it,
+  // and issued behind the preload's address arithmetic it came back last
+  const uint64_t n = launch_number(L, kPhaseDispatch);
   trace_begin(L);
   // the start stamp before the first loads: a stamp behind the first store of a loaded value
   // (the FFN bases into shared memory) waited for that load, and the stages missed its latency
@@ -1482,7 +1498,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Layout L, Dispatc
   __shared__ char* s_fb[kMaxFfn];
   for (int i = tid; !kRecvOnly && i < L.F; i += blockDim.x)
     s_fb[i] = ffn_window(L, i);
-  const uint64_t n = launch_number(L, kPhaseDispatch);
   const uint64_t deadline = global_timer_ns() + L.timeout_ns;
   // the small forms run only with the four directional controls on (dispatch_form and
   // combine_form check them)
