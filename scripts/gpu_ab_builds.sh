@@ -13,7 +13,12 @@
 #      BENCH_ARGS (default: 1A1F H4096 BF16 random, both layouts, T = 1 32 512, afdep and
 #      symmetric; empty string: no benchmark), OUT (default ./gpu_out);
 #      TRACE_ARGS_HEAD, BENCH_ARGS_HEAD (and _BASE, _ALT): one side's own arguments, e.g. an
-#      afdep_alt arm whose --alt-env names a control only the head has.
+#      afdep_alt arm whose --alt-env names a control only the head has;
+#      TESTS_K / SAN_K (optional): after the rounds, the head's GPU tests that this -k selects
+#      and compute-sanitizer memcheck of those SAN_K selects (scripts/gpu_suite.sh custom on
+#      the head's in-place build, its own MPS daemon; files under $OUT/tests), within
+#      TEST_TIMEOUT and SAN_TIMEOUT seconds (default 240 and 120): a kernel change's A/B and
+#      its tests in one device call.
 # Every tree is built in place first, all at once (scripts/build_inplace.py). Everything under
 # $OUT is packed into one bundle.tgz at the end (the device returns at most 8 files).
 set -u -o pipefail
@@ -94,4 +99,15 @@ for i in $(seq 0 $((ROUNDS - 1))); do
       grep -E "^## 1A1F|^\| (afdep|afdep_alt|symmetric), " "$OUT/bench-$side-$i.log"
   done
 done
+# the head's tests (TESTS_K / SAN_K): gpu_suite.sh starts its own MPS daemon, so this one stops
+if [ -n "${TESTS_K:-}${SAN_K:-}" ]; then
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then mps_quit; trap - EXIT; fi
+  (cd "$HEAD_DIR" && PYTHONPATH="$HEAD_DIR:$HEAD_DIR/.carry/py" OUT="$OUT/tests" BUILD=skip \
+    SKIP_BENCH=1 SKIP_TESTS=$([ -n "${TESTS_K:-}" ] && echo 0 || echo 1) PYTEST_K="${TESTS_K:-}" \
+    SKIP_SAN=$([ -n "${SAN_K:-}" ] && echo 0 || echo 1) SAN_K="${SAN_K:-sanitizer}" \
+    TEST_TIMEOUT="${TEST_TIMEOUT:-240}" SAN_TIMEOUT="${SAN_TIMEOUT:-120}" \
+    AFDEP_COMMIT="$(side_commit head)" bash scripts/gpu_suite.sh custom > "$OUT/tests.log" 2>&1)
+  stamp "head's tests: rc=$?"
+  grep -E "passed|failed|ERROR SUMMARY|sanitizer rc|pytest rc" "$OUT/tests.log" | tail -6
+fi
 bash "$HEAD_DIR/scripts/pack_out.sh"
