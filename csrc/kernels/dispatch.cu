@@ -240,10 +240,12 @@ __device__ __forceinline__ void preload_sender(const Layout& L, const DispatchAr
                                                 (size_t)lo * L.row_bytes);
   const bool s0 = units && p.spare0;  // (constant false in the forms without units)
   const int first = s0 ? tid - 32 : tid, step = s0 ? kThreads - 32 : kThreads;
+  // (s0: warp 0 holds none of the row; testing v >= 0 instead would give its lanes vectors
+  // 448-479 again at j = 1, which warps 1.. hold, and it would store them after its claim)
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
     const int v = first + j * step;
-    if ((!s0 || v >= 0) && v < ntok * nv) p.v[j] = ld_nc_v4(x + v);
+    if ((!s0 || first >= 0) && v < ntok * nv) p.v[j] = ld_nc_v4(x + v);
   }
   if (L.scale_cols && (!s0 || first >= 0) && first < ntok * L.scale_cols)
     p.s = a.x_scales[(size_t)lo * L.scale_cols + first];
@@ -266,7 +268,7 @@ __device__ void copy_preloaded(const Layout& L, const DispatchArgs& a, char* con
 #pragma unroll
   for (int j = 0; j < kPreVecs; ++j) {
     const int v = first + j * step;
-    if ((spare0 && v < 0) || v >= ntok * nv) continue;
+    if ((spare0 && first < 0) || v >= ntok * nv) continue;
     const int i = fast_div(v, L.div_nv), col = v - i * nv;
 #pragma unroll 1  // one store per FFN rank; unrolled, this loop was 15 KB of code per call site
     for (int fd = 0; fd < L.F; ++fd) {
@@ -1444,6 +1446,14 @@ __device__ void send_lone_token(const Layout& L, const DispatchArgs& a, uint64_t
     claim_token<true, kShuffle>(L, a, nullptr, t, 0, false, nullptr, nullptr, nullptr, src_idx,
                                 c, true, pre.e, pre.w, llf);
     trace_mark(L, kTrClaimed, -1);
+    // Preload::spare0: warps 1.. store the region counts and the whole row, so warp 0 is done
+    // (its mask's reductions and the copy's loops put about 0.45 us between its claim and
+    // CTA 0's end at T = 1)
+    if (pre.spare0) {
+      trace_mark(L, kTrCopied, -1);
+      trace_mark(L, kTrSent, kTrMaxSent);
+      return;
+    }
   }
   const uint64_t fmask = token_ffn_mask(L, pre.e);
   if (kRaw && warp == 0) store_raw_meta(L, t, src_idx, c, pre.e, pre.w, fmask, llf);
