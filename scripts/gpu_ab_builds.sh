@@ -20,7 +20,8 @@
 #      TEST_TIMEOUT and SAN_TIMEOUT seconds (default 240 and 120): a kernel change's A/B and
 #      its tests in one device call.
 # Every tree is built in place first, all at once (scripts/build_inplace.py). Everything under
-# $OUT is packed into one bundle.tgz at the end (the device returns at most 8 files).
+# $OUT is packed into one bundle.tgz at the end (the device returns at most 8 files), also when
+# an outer `timeout` stops the script (SIGTERM): a cut-off call still brings its rounds back.
 set -u -o pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 BASE="${BASE:?BASE: the baseline tree (see the header)}"
@@ -48,6 +49,14 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 [ -d "$HEAD_DIR/.carry/py" ] && export PYTHONPATH="$HEAD_DIR/.carry/py:${PYTHONPATH:-}"
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+MPS_UP=0
+# packed first: after SIGTERM, `timeout -k` leaves seconds, and stopping the daemon may take 10
+finish() {
+  bash "$HEAD_DIR/scripts/pack_out.sh"
+  if [ "$MPS_UP" = 1 ]; then mps_quit; fi
+}
+trap finish EXIT
+trap 'stamp "stopped (SIGTERM)"; exit 143' TERM
 
 # every tree built at once, in place (scripts/build_inplace.py; each tree's own csrc), the
 # cores split among them: the build is most of an A/B call's set-up
@@ -67,7 +76,7 @@ done
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$NGPU" -lt 2 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   . "$HEAD_DIR/scripts/mps.sh"
-  mps_start /tmp/afdep-mps && trap mps_quit EXIT
+  mps_start /tmp/afdep-mps && MPS_UP=1
   stamp "MPS daemon started (one GPU)"
 fi
 
@@ -101,7 +110,7 @@ for i in $(seq 0 $((ROUNDS - 1))); do
 done
 # the head's tests (TESTS_K / SAN_K): gpu_suite.sh starts its own MPS daemon, so this one stops
 if [ -n "${TESTS_K:-}${SAN_K:-}" ]; then
-  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then mps_quit; trap - EXIT; fi
+  if [ "$MPS_UP" = 1 ]; then mps_quit; MPS_UP=0; fi
   (cd "$HEAD_DIR" && PYTHONPATH="$HEAD_DIR:$HEAD_DIR/.carry/py" OUT="$OUT/tests" BUILD=skip \
     SKIP_BENCH=1 SKIP_TESTS=$([ -n "${TESTS_K:-}" ] && echo 0 || echo 1) PYTEST_K="${TESTS_K:-}" \
     SKIP_SAN=$([ -n "${SAN_K:-}" ] && echo 0 || echo 1) SAN_K="${SAN_K:-sanitizer}" \
@@ -110,4 +119,3 @@ if [ -n "${TESTS_K:-}${SAN_K:-}" ]; then
   stamp "head's tests: rc=$?"
   grep -E "passed|failed|ERROR SUMMARY|sanitizer rc|pytest rc" "$OUT/tests.log" | tail -6
 fi
-bash "$HEAD_DIR/scripts/pack_out.sh"
